@@ -1,0 +1,266 @@
+//! The compute seam. Every layout step of the load pipeline is a [`Backend`] operation on
+//! backend-owned byte buffers, so the pipeline (and its callers) stay the same whether the
+//! bytes live in host memory ([`CpuBackend`]) or on a GPU (a CUDA backend behind the `cuda`
+//! feature). A backend value is not required to be `Send`: a GPU context and its NCCL
+//! communicator are owned by one OS thread, and so is its backend.
+
+use crate::digest::Digest;
+use crate::mxfp8::{self, ScaleRule};
+use crate::permutation::{self, Permutation};
+use crate::{layout, KernelError};
+
+/// Operations the load pipeline needs, on buffers the backend owns.
+pub trait Backend {
+    /// A byte buffer in the backend's memory.
+    type Buffer: Send;
+
+    /// Short name for reports ("cpu", "cuda:0").
+    fn name(&self) -> String;
+    /// An empty buffer (no allocation).
+    fn empty(&self) -> Self::Buffer;
+    /// Bytes held.
+    fn len(&self, buf: &Self::Buffer) -> usize;
+    /// Bytes the buffer can hold without growing.
+    fn capacity(&self, buf: &Self::Buffer) -> usize;
+    /// An identity for the allocation behind the buffer (to show reuse across reloads).
+    fn allocation_id(&self, buf: &Self::Buffer) -> usize;
+    /// Copies host bytes into `dst`, reusing its allocation when large enough.
+    fn upload(&self, host: &[u8], dst: &mut Self::Buffer) -> Result<(), KernelError>;
+    /// Copies the buffer's bytes to host memory.
+    fn download(&self, src: &Self::Buffer, dst: &mut Vec<u8>) -> Result<(), KernelError>;
+    /// Digest of the buffer's bytes in storage order (computed on host bytes, so every backend
+    /// agrees with the CPU definition).
+    fn digest(&self, buf: &Self::Buffer) -> Result<Digest, KernelError>;
+
+    /// Expands a block scale `[rows/block_rows, k/block_k]` to one scale per row and 32-column
+    /// block: `[rows, k/32]`.
+    fn expand_block_scales(
+        &self,
+        block_scale: &Self::Buffer,
+        rows: usize,
+        k: usize,
+        block: [usize; 2],
+        dst: &mut Self::Buffer,
+    ) -> Result<(), KernelError>;
+    /// MXFP8-quantizes a row-major BF16 `[rows, k]` along K.
+    fn quantize_bf16_rows(
+        &self,
+        bf16: &Self::Buffer,
+        rows: usize,
+        k: usize,
+        rule: ScaleRule,
+        elements: &mut Self::Buffer,
+        scales: &mut Self::Buffer,
+    ) -> Result<(), KernelError>;
+    /// `dst[row][f] = src[row][perm[f]]` over runs of `run_bytes` (see [`permutation::gather_runs`]).
+    fn gather_runs(
+        &self,
+        src: &Self::Buffer,
+        row_bytes: usize,
+        run_bytes: usize,
+        perm: &Permutation,
+        dst: &mut Self::Buffer,
+    ) -> Result<(), KernelError>;
+    /// F8_128x4 swizzle of an `[m, c]` scale.
+    fn swizzle_128x4(&self, src: &Self::Buffer, m: usize, c: usize, dst: &mut Self::Buffer) -> Result<(), KernelError>;
+    /// Inverse of the swizzle.
+    fn unswizzle_128x4(&self, src: &Self::Buffer, m: usize, c: usize, dst: &mut Self::Buffer) -> Result<(), KernelError>;
+    /// DeepGEMM packed UE8M0, MN-major.
+    fn pack_ue8m0(&self, src: &Self::Buffer, groups: usize, rows: usize, c: usize, dst: &mut Self::Buffer) -> Result<(), KernelError>;
+    /// Inverse of the packing.
+    fn unpack_ue8m0(&self, src: &Self::Buffer, groups: usize, rows: usize, c: usize, dst: &mut Self::Buffer) -> Result<(), KernelError>;
+}
+
+/// The host backend: buffers are `Vec<u8>`, operations run on the calling thread.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    type Buffer = Vec<u8>;
+
+    fn name(&self) -> String {
+        "cpu".to_string()
+    }
+    fn empty(&self) -> Vec<u8> {
+        Vec::new()
+    }
+    fn len(&self, buf: &Vec<u8>) -> usize {
+        buf.len()
+    }
+    fn capacity(&self, buf: &Vec<u8>) -> usize {
+        buf.capacity()
+    }
+    fn allocation_id(&self, buf: &Vec<u8>) -> usize {
+        buf.as_ptr() as usize
+    }
+    fn upload(&self, host: &[u8], dst: &mut Vec<u8>) -> Result<(), KernelError> {
+        dst.clear();
+        dst.extend_from_slice(host);
+        Ok(())
+    }
+    fn download(&self, src: &Vec<u8>, dst: &mut Vec<u8>) -> Result<(), KernelError> {
+        dst.clear();
+        dst.extend_from_slice(src);
+        Ok(())
+    }
+    fn digest(&self, buf: &Vec<u8>) -> Result<Digest, KernelError> {
+        Ok(Digest::of(buf))
+    }
+    fn expand_block_scales(
+        &self,
+        block_scale: &Vec<u8>,
+        rows: usize,
+        k: usize,
+        block: [usize; 2],
+        dst: &mut Vec<u8>,
+    ) -> Result<(), KernelError> {
+        expand_block_scales(block_scale, rows, k, block, dst)
+    }
+    fn quantize_bf16_rows(
+        &self,
+        bf16: &Vec<u8>,
+        rows: usize,
+        k: usize,
+        rule: ScaleRule,
+        elements: &mut Vec<u8>,
+        scales: &mut Vec<u8>,
+    ) -> Result<(), KernelError> {
+        mxfp8::quantize_bf16_rows(bf16, rows, k, rule, elements, scales)
+    }
+    fn gather_runs(
+        &self,
+        src: &Vec<u8>,
+        row_bytes: usize,
+        run_bytes: usize,
+        perm: &Permutation,
+        dst: &mut Vec<u8>,
+    ) -> Result<(), KernelError> {
+        permutation::gather_runs(src, row_bytes, run_bytes, perm, dst)
+    }
+    fn swizzle_128x4(&self, src: &Vec<u8>, m: usize, c: usize, dst: &mut Vec<u8>) -> Result<(), KernelError> {
+        layout::swizzle_128x4(src, m, c, dst)
+    }
+    fn unswizzle_128x4(&self, src: &Vec<u8>, m: usize, c: usize, dst: &mut Vec<u8>) -> Result<(), KernelError> {
+        layout::unswizzle_128x4(src, m, c, dst)
+    }
+    fn pack_ue8m0(&self, src: &Vec<u8>, groups: usize, rows: usize, c: usize, dst: &mut Vec<u8>) -> Result<(), KernelError> {
+        layout::pack_ue8m0_mn_major(src, groups, rows, c, dst)
+    }
+    fn unpack_ue8m0(&self, src: &Vec<u8>, groups: usize, rows: usize, c: usize, dst: &mut Vec<u8>) -> Result<(), KernelError> {
+        layout::unpack_ue8m0_mn_major(src, groups, rows, c, dst)
+    }
+}
+
+/// Expands a block scale `[rows/bm, k/bk]` to per-row MXFP8 scales `[rows, k/32]`
+/// (spec section 3: each 32x32 scale row repeated 32 times; a 128x128 block also covers four
+/// 32-column blocks).
+pub fn expand_block_scales(
+    block_scale: &[u8],
+    rows: usize,
+    k: usize,
+    block: [usize; 2],
+    dst: &mut Vec<u8>,
+) -> Result<(), KernelError> {
+    let [bm, bk] = block;
+    if bm == 0 || bk == 0 || bk % mxfp8::BLOCK != 0 || rows % bm != 0 || k % bk != 0 {
+        return Err(KernelError::Shape(format!(
+            "cannot expand {bm}x{bk} block scales over [{rows}, {k}]"
+        )));
+    }
+    let (block_rows, block_cols) = (rows / bm, k / bk);
+    if block_scale.len() != block_rows * block_cols {
+        return Err(KernelError::Shape(format!(
+            "block scale has {} bytes, expected [{block_rows}, {block_cols}]",
+            block_scale.len()
+        )));
+    }
+    let c = k / mxfp8::BLOCK;
+    let per_block = bk / mxfp8::BLOCK;
+    dst.clear();
+    dst.resize(rows * c, 0);
+    for (r, row) in dst.chunks_exact_mut(c.max(1)).enumerate() {
+        let src = &block_scale[(r / bm) * block_cols..][..block_cols];
+        for (j, b) in row.iter_mut().enumerate() {
+            *b = src[j / per_block];
+        }
+    }
+    Ok(())
+}
+
+/// Buffers a loader reuses across tensors and reloads. `take` hands out the free buffer that
+/// fits best, so a reload of the same shapes allocates nothing new.
+pub struct BufferPool<B: Backend> {
+    free: Vec<B::Buffer>,
+}
+
+impl<B: Backend> Default for BufferPool<B> {
+    fn default() -> Self {
+        Self { free: Vec::new() }
+    }
+}
+
+impl<B: Backend> BufferPool<B> {
+    /// A buffer that can hold `bytes` without growing if the pool has one (smallest such),
+    /// otherwise the largest free one (it will grow), otherwise a new empty one.
+    pub fn take(&mut self, backend: &B, bytes: usize) -> B::Buffer {
+        let fitting = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| backend.capacity(b) >= bytes)
+            .min_by_key(|(_, b)| backend.capacity(b))
+            .map(|(i, _)| i);
+        let pick = fitting.or_else(|| {
+            self.free.iter().enumerate().max_by_key(|(_, b)| backend.capacity(b)).map(|(i, _)| i)
+        });
+        match pick {
+            Some(i) => self.free.swap_remove(i),
+            None => backend.empty(),
+        }
+    }
+
+    pub fn give(&mut self, buf: B::Buffer) {
+        self.free.push(buf);
+    }
+
+    pub fn len(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.free.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expands_32x32_and_128x128() {
+        // [64, 64] with 32x32 blocks: scale [2, 2] -> per-row [64, 2].
+        let mut out = Vec::new();
+        expand_block_scales(&[1, 2, 3, 4], 64, 64, [32, 32], &mut out).unwrap();
+        assert_eq!(&out[..2], &[1, 2]);
+        assert_eq!(&out[31 * 2..32 * 2], &[1, 2]);
+        assert_eq!(&out[32 * 2..33 * 2], &[3, 4]);
+        // [128, 256] with 128x128 blocks: scale [1, 2] -> per-row [128, 8].
+        expand_block_scales(&[5, 6], 128, 256, [128, 128], &mut out).unwrap();
+        assert_eq!(&out[..8], &[5, 5, 5, 5, 6, 6, 6, 6]);
+        assert!(expand_block_scales(&[1], 30, 64, [32, 32], &mut out).is_err());
+    }
+
+    #[test]
+    fn pool_reuses_best_fit() {
+        let cpu = CpuBackend;
+        let mut pool = BufferPool::<CpuBackend>::default();
+        let big = Vec::with_capacity(1000);
+        let small = Vec::with_capacity(10);
+        let (big_id, small_id) = (big.as_ptr() as usize, small.as_ptr() as usize);
+        pool.give(big);
+        pool.give(small);
+        assert_eq!(cpu.allocation_id(&pool.take(&cpu, 8)), small_id);
+        assert_eq!(cpu.allocation_id(&pool.take(&cpu, 8)), big_id);
+        assert_eq!(cpu.capacity(&pool.take(&cpu, 8)), 0);
+    }
+}

@@ -1,0 +1,47 @@
+//! CUDA availability (behind the `cuda` feature). cudarc is built with `dynamic-loading`, so
+//! the workspace compiles without CUDA; cudarc panics on first use when a library is missing,
+//! so every entry point checks the libraries here first and turns absence into an error.
+//!
+//! The CUDA implementation of [`crate::Backend`] (NVRTC kernels, NCCL) is a later milestone;
+//! until then `--device cuda` reports which libraries were found and stops with an error.
+
+use crate::KernelError;
+
+/// Which CUDA libraries this process can load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaLibraries {
+    pub driver: bool,
+    pub nvrtc: bool,
+    pub nccl: bool,
+}
+
+impl CudaLibraries {
+    /// Probes the shared libraries without calling into them.
+    pub fn probe() -> Self {
+        // SAFETY: `is_culib_present` only tries to dlopen the library; it calls no CUDA API.
+        unsafe {
+            Self {
+                driver: cudarc::driver::sys::is_culib_present(),
+                nvrtc: cudarc::nvrtc::sys::is_culib_present(),
+                nccl: cudarc::nccl::sys::is_culib_present(),
+            }
+        }
+    }
+
+    /// An error naming every missing library, or `Ok` when all are present.
+    pub fn require_all(self) -> Result<(), KernelError> {
+        let missing: Vec<&str> = [("libcuda (driver)", self.driver), ("libnvrtc", self.nvrtc), ("libnccl", self.nccl)]
+            .into_iter()
+            .filter(|(_, present)| !present)
+            .map(|(name, _)| name)
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(KernelError::Device(format!(
+                "CUDA is not usable on this machine: cannot load {}",
+                missing.join(", ")
+            )))
+        }
+    }
+}

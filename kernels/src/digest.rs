@@ -1,0 +1,92 @@
+//! Digests (spec section 9): XXH3-64 of exact bytes in storage order, written as 16 lowercase
+//! hex digits; a rank digest is XXH3-64 of the lines `"{name} {hex}\n"` sorted by name.
+
+use std::fmt;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+
+/// An XXH3-64 digest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Digest(pub u64);
+
+impl Digest {
+    /// Digest of bytes in storage order.
+    pub fn of(bytes: &[u8]) -> Self {
+        Digest(xxh3_64(bytes))
+    }
+
+    /// Digest of several byte runs, as if they were concatenated.
+    pub fn of_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> Self {
+        let mut h = Xxh3::new();
+        for p in parts {
+            h.update(p);
+        }
+        Digest(h.digest())
+    }
+
+    /// Digest of little-endian f32 values (probe outputs).
+    pub fn of_f32(values: &[f32]) -> Self {
+        let mut h = Xxh3::new();
+        for chunk in values.chunks(1024) {
+            let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
+            h.update(&bytes);
+        }
+        Digest(h.digest())
+    }
+
+    pub fn hex(self) -> String {
+        format!("{:016x}", self.0)
+    }
+
+    /// Parses 16 hex digits.
+    pub fn from_hex(s: &str) -> Option<Self> {
+        (s.len() == 16).then(|| u64::from_str_radix(s, 16).ok().map(Digest)).flatten()
+    }
+}
+
+impl fmt::Display for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// The text a rank digest hashes: lines `"{name} {hex}\n"` sorted by name (byte order).
+pub fn rank_digest_text<'a>(entries: impl IntoIterator<Item = (&'a str, Digest)>) -> String {
+    let mut lines: Vec<(&str, Digest)> = entries.into_iter().collect();
+    lines.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    let mut text = String::with_capacity(lines.len() * 64);
+    for (name, d) in lines {
+        text.push_str(name);
+        text.push(' ');
+        text.push_str(&d.hex());
+        text.push('\n');
+    }
+    text
+}
+
+/// XXH3-64 of [`rank_digest_text`].
+pub fn rank_digest<'a>(entries: impl IntoIterator<Item = (&'a str, Digest)>) -> Digest {
+    Digest::of(rank_digest_text(entries).as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_values() {
+        // XXH3-64 of the empty input with seed 0 (reference value of the algorithm).
+        assert_eq!(Digest::of(b"").hex(), "2d06800538d394c2");
+        assert_eq!(Digest::of_parts([&b"ab"[..], &b"c"[..]]), Digest::of(b"abc"));
+        assert_eq!(Digest::from_hex("2d06800538d394c2"), Some(Digest::of(b"")));
+        assert_eq!(Digest::from_hex("xyz"), None);
+    }
+
+    #[test]
+    fn rank_digest_sorts_by_name() {
+        let a = Digest(1);
+        let b = Digest(0xabc);
+        let text = rank_digest_text([("z.w", a), ("a.w", b)]);
+        assert_eq!(text, "a.w 0000000000000abc\nz.w 0000000000000001\n");
+        assert_eq!(rank_digest([("z.w", a), ("a.w", b)]), Digest::of(text.as_bytes()));
+    }
+}

@@ -1,0 +1,150 @@
+//! FP8 E4M3 "fn" (finite, NaN-only) element format: 1 sign, 4 exponent (bias 7), 3 mantissa bits.
+//! Max 448, no infinity, `0x7F` / `0xFF` are NaN (spec section 3).
+
+/// Largest finite E4M3fn magnitude.
+pub const E4M3_MAX: f32 = 448.0;
+/// The byte of +448 (saturation value).
+pub const E4M3_MAX_BYTE: u8 = 0x7E;
+
+/// True for the two NaN encodings.
+#[inline]
+pub const fn is_nan(byte: u8) -> bool {
+    byte & 0x7F == 0x7F
+}
+
+/// Decodes one E4M3fn byte exactly (NaN bytes decode to NaN).
+#[inline]
+pub fn to_f32(byte: u8) -> f32 {
+    DECODE[byte as usize]
+}
+
+static DECODE: [f32; 256] = build_decode_table();
+
+const fn build_decode_table() -> [f32; 256] {
+    let mut table = [0f32; 256];
+    let mut b = 0usize;
+    while b < 256 {
+        let exp = ((b >> 3) & 0xF) as i32;
+        let man = (b & 0x7) as u32;
+        // Build the f32 bit pattern directly so the table is exact and const.
+        let magnitude_bits: u32 = if b & 0x7F == 0x7F {
+            0x7FC0_0000
+        } else if exp == 0 {
+            // Subnormal: man * 2^-9, exact in f32 as a normal number.
+            if man == 0 {
+                0
+            } else {
+                let lead = 31 - man.leading_zeros(); // position of the leading one (0..=2)
+                let e = lead as i32 - 9; // unbiased f32 exponent
+                let frac = (man ^ (1 << lead)) << (23 - lead);
+                (((e + 127) as u32) << 23) | frac
+            }
+        } else {
+            let e = exp - 7;
+            (((e + 127) as u32) << 23) | (man << 20)
+        };
+        let sign = if b & 0x80 != 0 { 0x8000_0000u32 } else { 0 };
+        table[b] = f32::from_bits(sign | magnitude_bits);
+        b += 1;
+    }
+    table
+}
+
+/// Rounds a finite f32 to E4M3fn: round-to-nearest-even, saturating to +-448.
+/// The caller rejects NaN and infinity before calling (an infinite input saturates).
+#[inline]
+pub fn from_f32_saturating(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let abs = bits & 0x7FFF_FFFF;
+    // 448 = 0x43E0_0000; anything at or above it (including values that would round to 480,
+    // which is NaN in this format) saturates.
+    if abs >= 0x43E0_0000 {
+        return sign | E4M3_MAX_BYTE;
+    }
+    // Below the smallest normal (2^-6 = 0x3C80_0000): subnormal grid of 2^-9.
+    if abs < 0x3C80_0000 {
+        // a * 2^9 is exact; round half to even onto 0..=8 (8 encodes the smallest normal).
+        let q = (f32::from_bits(abs) * 512.0).round_ties_even() as u8;
+        return sign | q;
+    }
+    let exp = (abs >> 23) as i32 - 127; // -6..=8
+    let mant = abs & 0x7F_FFFF;
+    let mut m3 = mant >> 20;
+    let rest = mant & 0xF_FFFF;
+    const HALF: u32 = 0x8_0000;
+    if rest > HALF || (rest == HALF && (m3 & 1) == 1) {
+        m3 += 1;
+    }
+    let mut biased = (exp + 7) as u32;
+    if m3 == 8 {
+        m3 = 0;
+        biased += 1;
+    }
+    if biased > 15 || (biased == 15 && m3 == 7) {
+        return sign | E4M3_MAX_BYTE;
+    }
+    sign | ((biased << 3) as u8) | m3 as u8
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decodes_known_bytes() {
+        assert_eq!(to_f32(0x00), 0.0);
+        assert_eq!(to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(to_f32(0x08), 2f32.powi(-6));
+        assert_eq!(to_f32(0x38), 1.0);
+        assert_eq!(to_f32(0x7E), 448.0);
+        assert_eq!(to_f32(0xFE), -448.0);
+        assert!(to_f32(0x7F).is_nan());
+        assert!(to_f32(0xFF).is_nan());
+    }
+
+    #[test]
+    fn every_finite_byte_round_trips() {
+        for b in 0..=255u8 {
+            if is_nan(b) || b == 0x80 {
+                continue;
+            }
+            assert_eq!(from_f32_saturating(to_f32(b)), b, "byte {b:#04x}");
+        }
+    }
+
+    #[test]
+    fn rounds_to_nearest_even_and_saturates() {
+        assert_eq!(to_f32(from_f32_saturating(300.0)), 288.0);
+        assert_eq!(to_f32(from_f32_saturating(230.0)), 224.0);
+        assert_eq!(to_f32(from_f32_saturating(250.0)), 256.0);
+        assert_eq!(to_f32(from_f32_saturating(262.144)), 256.0);
+        // Ties: 1.0625 lies between 1.0 and 1.125 -> even mantissa (1.0).
+        assert_eq!(to_f32(from_f32_saturating(1.0625)), 1.0);
+        assert_eq!(to_f32(from_f32_saturating(1.1875)), 1.25);
+        assert_eq!(from_f32_saturating(460.0), 0x7E);
+        assert_eq!(from_f32_saturating(1e30), 0x7E);
+        assert_eq!(from_f32_saturating(-1e30), 0xFE);
+        // Subnormal ties: 2^-10 is halfway between 0 and 2^-9 -> 0.
+        assert_eq!(from_f32_saturating(2f32.powi(-10)), 0);
+        assert_eq!(from_f32_saturating(3.0 * 2f32.powi(-10)), 0x02);
+        // Just below the smallest normal rounds up into it.
+        assert_eq!(from_f32_saturating(2f32.powi(-6) - 2f32.powi(-12)), 0x08);
+    }
+
+    #[test]
+    fn nearest_for_all_magnitudes_on_a_fine_grid() {
+        // Brute force: the chosen byte is a nearest finite E4M3 value.
+        let finite: Vec<f32> = (0..=0x7Eu8).map(to_f32).collect();
+        let mut x = 0.0f32;
+        while x < 500.0 {
+            let got = to_f32(from_f32_saturating(x));
+            let best = finite
+                .iter()
+                .map(|v| (v - x.min(448.0)).abs())
+                .fold(f32::INFINITY, f32::min);
+            assert!((got - x.min(448.0)).abs() <= best, "x = {x}: got {got}");
+            x += 0.013;
+        }
+    }
+}

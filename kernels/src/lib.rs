@@ -1,0 +1,34 @@
+//! The numeric heart of orchestrator: MXFP8 formats and quantization, the mega-attention
+//! permutations, the kernel layouts of scales, digests, and the typed per-parameter load
+//! pipeline, over a [`Backend`] seam (CPU here; CUDA behind the `cuda` feature).
+
+pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod digest;
+pub mod e4m3;
+pub mod e8m0;
+pub mod layout;
+pub mod mxfp8;
+pub mod params;
+pub mod permutation;
+
+pub use backend::{Backend, BufferPool, CpuBackend};
+pub use digest::Digest;
+pub use mxfp8::ScaleRule;
+
+/// Errors of the numeric layer. Positions are relative to the tensor at hand; callers add the
+/// tensor's name.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    #[error("non-finite value at row {row}, column {col}")]
+    NonFinite { row: usize, col: usize },
+    #[error("NaN scale byte 0xFF at scale row {row}, column {col}")]
+    NanScale { row: usize, col: usize },
+    #[error("layout check failed: {0}")]
+    Layout(String),
+    #[error("device error: {0}")]
+    Device(String),
+}

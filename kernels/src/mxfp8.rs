@@ -1,0 +1,268 @@
+//! MXFP8 quantization (spec section 6): 32-element blocks along K, one UE8M0 scale per block,
+//! E4M3fn elements with round-to-nearest-even and saturation. Both scale rules, computed
+//! exactly from the f32 bit patterns (never with a floating-point `log2`).
+
+use crate::{e4m3, e8m0, KernelError};
+
+/// Elements per scale block along K.
+pub const BLOCK: usize = 32;
+
+/// How a block's shared scale exponent is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ScaleRule {
+    /// `2^ceil(log2(amax / 448))` (cuBLAS, TransformerEngine, DeepGEMM `ceil_to_ue8m0`):
+    /// elements never exceed 448. The default: SM100 kernels use it.
+    Rceil,
+    /// `2^(floor(log2(amax)) - 8)` (OCP MX v1.0, torchao's default): elements clamped to 448.
+    Floor,
+}
+
+impl ScaleRule {
+    pub fn name(self) -> &'static str {
+        match self {
+            ScaleRule::Rceil => "rceil",
+            ScaleRule::Floor => "floor",
+        }
+    }
+}
+
+impl std::str::FromStr for ScaleRule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "rceil" => Ok(ScaleRule::Rceil),
+            "floor" => Ok(ScaleRule::Floor),
+            other => Err(format!("unknown scale rule `{other}` (expected `rceil` or `floor`)")),
+        }
+    }
+}
+
+impl std::fmt::Display for ScaleRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The true binary exponent `floor(log2(x))` of a positive finite f32, subnormals included.
+#[inline]
+fn binary_exponent(bits: u32) -> i32 {
+    let biased = (bits >> 23) as i32;
+    if biased != 0 {
+        biased - 127
+    } else {
+        // Subnormal: value = mantissa * 2^-149.
+        let mant = bits & 0x7F_FFFF;
+        (31 - mant.leading_zeros() as i32) - 149
+    }
+}
+
+/// True when a positive finite f32 is an exact power of two.
+#[inline]
+fn is_power_of_two(bits: u32) -> bool {
+    if bits >> 23 != 0 {
+        bits & 0x7F_FFFF == 0
+    } else {
+        (bits & 0x7F_FFFF).is_power_of_two()
+    }
+}
+
+/// The scale exponent of a block whose largest magnitude is `amax` (finite, > 0), clamped to
+/// `[-127, 127]`.
+#[inline]
+pub fn scale_exponent(amax: f32, rule: ScaleRule) -> i32 {
+    debug_assert!(amax.is_finite() && amax > 0.0);
+    let e = match rule {
+        ScaleRule::Rceil => {
+            let s = amax / e4m3::E4M3_MAX; // an f32 division, as DeepGEMM does
+            let sb = s.to_bits();
+            if sb == 0 {
+                // amax / 448 underflowed: its true exponent is below the clamp anyway.
+                -127
+            } else {
+                binary_exponent(sb) + i32::from(!is_power_of_two(sb))
+            }
+        }
+        ScaleRule::Floor => binary_exponent(amax.to_bits()) - 8,
+    };
+    e.clamp(-127, 127)
+}
+
+/// Quantizes one block of at most 32 values: returns the scale byte and writes the elements.
+/// `values` must be finite (checked by the callers, which know the tensor and row).
+#[inline]
+pub fn quantize_block(values: &[f32], rule: ScaleRule, out: &mut [u8]) -> u8 {
+    debug_assert_eq!(values.len(), out.len());
+    let amax_bits = values.iter().map(|v| v.to_bits() & 0x7FFF_FFFF).max().unwrap_or(0);
+    if amax_bits == 0 {
+        out.fill(0);
+        return 0;
+    }
+    let e = scale_exponent(f32::from_bits(amax_bits), rule);
+    let inv = e8m0::pow2(-e); // exact: -e is within [-127, 127]
+    for (o, &v) in out.iter_mut().zip(values) {
+        *o = e4m3::from_f32_saturating(v * inv);
+    }
+    (e + e8m0::BIAS) as u8
+}
+
+/// Where a non-finite value sits in a row-major `[rows, k]` matrix.
+fn non_finite_at(index: usize, k: usize) -> KernelError {
+    KernelError::NonFinite { row: index / k, col: index % k }
+}
+
+/// MXFP8-quantizes a row-major BF16 matrix `[rows, k]` (little-endian bytes) along K:
+/// `elements` gets `[rows, k]` E4M3 bytes, `scales` gets `[rows, k/32]` UE8M0 bytes.
+/// NaN or infinity is an error naming the row and column.
+pub fn quantize_bf16_rows(
+    bf16: &[u8],
+    rows: usize,
+    k: usize,
+    rule: ScaleRule,
+    elements: &mut Vec<u8>,
+    scales: &mut Vec<u8>,
+) -> Result<(), KernelError> {
+    if k % BLOCK != 0 || bf16.len() != rows * k * 2 {
+        return Err(KernelError::Shape(format!(
+            "BF16 matrix of {} bytes is not [{rows}, {k}] with K a multiple of {BLOCK}",
+            bf16.len()
+        )));
+    }
+    elements.clear();
+    elements.resize(rows * k, 0);
+    scales.clear();
+    scales.resize(rows * (k / BLOCK), 0);
+    let mut block = [0f32; BLOCK];
+    for (b, ((src, dst), scale)) in bf16
+        .chunks_exact(BLOCK * 2)
+        .zip(elements.chunks_exact_mut(BLOCK))
+        .zip(scales.iter_mut())
+        .enumerate()
+    {
+        let mut amax = 0u32;
+        for (slot, pair) in block.iter_mut().zip(src.chunks_exact(2)) {
+            let bits = (u16::from_le_bytes([pair[0], pair[1]]) as u32) << 16;
+            amax = amax.max(bits & 0x7FFF_FFFF);
+            *slot = f32::from_bits(bits);
+        }
+        if amax >= 0x7F80_0000 {
+            let at = block.iter().position(|v| !v.is_finite()).unwrap_or(0);
+            return Err(non_finite_at(b * BLOCK + at, k));
+        }
+        *scale = quantize_block(&block, rule, dst);
+    }
+    Ok(())
+}
+
+/// MXFP8-quantizes a row-major f32 matrix `[rows, k]` along K (activations, references).
+pub fn quantize_f32_rows(
+    values: &[f32],
+    k: usize,
+    rule: ScaleRule,
+    elements: &mut Vec<u8>,
+    scales: &mut Vec<u8>,
+) -> Result<(), KernelError> {
+    if k % BLOCK != 0 || values.len() % k != 0 {
+        return Err(KernelError::Shape(format!(
+            "f32 matrix of {} values has no row length {k} that is a multiple of {BLOCK}",
+            values.len()
+        )));
+    }
+    if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+        return Err(non_finite_at(at, k));
+    }
+    elements.clear();
+    elements.resize(values.len(), 0);
+    scales.clear();
+    scales.extend(
+        values
+            .chunks_exact(BLOCK)
+            .zip(elements.chunks_exact_mut(BLOCK))
+            .map(|(src, dst)| quantize_block(src, rule, dst)),
+    );
+    Ok(())
+}
+
+/// Dequantizes one MXFP8 element.
+#[inline]
+pub fn dequantize(element: u8, scale: u8) -> f32 {
+    e4m3::to_f32(element) * e8m0::to_f32(scale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block_of(amax: f32) -> Vec<f32> {
+        let mut v = vec![amax * 0.25; BLOCK];
+        v[7] = -amax;
+        v
+    }
+
+    /// The spec's table (section 6): block amax -> (scale byte, element of amax) per rule.
+    #[test]
+    fn spec_quantization_table() {
+        let tricky = 448.0 * 2f32.powi(-18) * (1.0 + 2f32.powi(-20));
+        let rows: [(f32, (u8, f32), (u8, f32)); 7] = [
+            (300.0, (127, 288.0), (127, 288.0)),
+            (448.0, (127, 448.0), (127, 448.0)),
+            (460.0, (128, 224.0), (127, 448.0)),
+            (500.0, (128, 256.0), (127, 448.0)),
+            (1.0, (119, 256.0), (119, 256.0)),
+            (0.001, (109, 256.0), (109, 256.0)),
+            (tricky, (110, 224.0), (109, 448.0)),
+        ];
+        for (amax, rceil, floor) in rows {
+            for (rule, (byte, elem)) in [(ScaleRule::Rceil, rceil), (ScaleRule::Floor, floor)] {
+                let values = block_of(amax);
+                let mut out = [0u8; BLOCK];
+                let scale = quantize_block(&values, rule, &mut out);
+                assert_eq!(scale, byte, "amax {amax} rule {rule}");
+                assert_eq!(e4m3::to_f32(out[7]), -elem, "amax {amax} rule {rule}");
+            }
+        }
+        // 0.001 "all equal".
+        let mut out = [0u8; BLOCK];
+        assert_eq!(quantize_block(&[0.001; BLOCK], ScaleRule::Rceil, &mut out), 109);
+        assert!(out.iter().all(|&b| e4m3::to_f32(b) == 256.0));
+        // All zero.
+        for rule in [ScaleRule::Rceil, ScaleRule::Floor] {
+            let mut out = [1u8; BLOCK];
+            assert_eq!(quantize_block(&[0.0; BLOCK], rule, &mut out), 0);
+            assert_eq!(out, [0u8; BLOCK]);
+        }
+    }
+
+    #[test]
+    fn subnormal_amax_uses_true_exponent() {
+        // amax = 2^-140 (f32 subnormal): floor -> -148 clamped to -127.
+        let tiny = e8m0::pow2(-140);
+        assert_eq!(scale_exponent(tiny, ScaleRule::Floor), -127);
+        assert_eq!(scale_exponent(tiny, ScaleRule::Rceil), -127);
+        // amax just under 448 * 2^-126 keeps s subnormal: 0.75 * 2^-126 -> ceil = -126.
+        let s_sub = 448.0f32 * (0.75 * 2f32.powi(-126));
+        assert_eq!(scale_exponent(s_sub, ScaleRule::Rceil), -126);
+    }
+
+    #[test]
+    fn non_finite_is_an_error_naming_row_and_column() {
+        let mut bf16 = vec![0u8; 2 * 64 * 2];
+        // Row 1, column 33 = +inf (0x7F80).
+        let at = (64 + 33) * 2;
+        bf16[at] = 0x80;
+        bf16[at + 1] = 0x7F;
+        let (mut e, mut s) = (Vec::new(), Vec::new());
+        let err = quantize_bf16_rows(&bf16, 2, 64, ScaleRule::Rceil, &mut e, &mut s).unwrap_err();
+        assert!(matches!(err, KernelError::NonFinite { row: 1, col: 33 }), "{err:?}");
+    }
+
+    #[test]
+    fn bf16_path_matches_f32_path() {
+        let vals: Vec<f32> = (0..256).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013).collect();
+        let bf16: Vec<u8> = vals.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect();
+        let truncated: Vec<f32> = vals.iter().map(|v| f32::from_bits(v.to_bits() & 0xFFFF_0000)).collect();
+        let (mut e1, mut s1, mut e2, mut s2) = (vec![], vec![], vec![], vec![]);
+        quantize_bf16_rows(&bf16, 4, 64, ScaleRule::Floor, &mut e1, &mut s1).unwrap();
+        quantize_f32_rows(&truncated, 64, ScaleRule::Floor, &mut e2, &mut s2).unwrap();
+        assert_eq!((e1, s1), (e2, s2));
+    }
+}

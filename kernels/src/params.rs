@@ -1,0 +1,509 @@
+//! The load pipeline of one attention parameter, with the layout state in the types.
+//!
+//! `Mx<B, P, S>` is an MXFP8 matrix `[rows, k]` with one UE8M0 scale per row and 32-column
+//! block (`[rows, k/32]`), for parameter `P`, in layout state `S`:
+//!
+//! ```text
+//! source --from_source--> Mx<P, CheckpointOrder> --permute--> Mx<P, Fused> --into_kernel--> kernel layout
+//!          (expand 32x32 scales or quantize BF16)   (wq_b, wo_a only)        (swizzle / pack hooks)
+//! ```
+//!
+//! Only checkpoint-order data can be permuted, and only permuted data reaches the `wq_b` and
+//! `wo_a` kernel hooks, so the reference PR's failures (hooks before the permutation, a second
+//! permutation, a reload that skips it) do not compile. The one legal order:
+//!
+//! ```
+//! # use orchestrator_kernels::params::*;
+//! # use orchestrator_kernels::backend::CpuBackend;
+//! # fn f(m: Mx<CpuBackend, WqB, CheckpointOrder>, q: &QPermutation, pool: &mut orchestrator_kernels::BufferPool<CpuBackend>) -> Result<(), orchestrator_kernels::KernelError> {
+//! let kernel = m.permute(&CpuBackend, q, pool)?.into_kernel(&CpuBackend, pool)?;
+//! # Ok(()) }
+//! ```
+//!
+//! and the ones that are refused:
+//!
+//! ```compile_fail
+//! # use orchestrator_kernels::params::*;
+//! # use orchestrator_kernels::backend::CpuBackend;
+//! # fn f(m: Mx<CpuBackend, WqB, Fused>, q: &QPermutation, pool: &mut orchestrator_kernels::BufferPool<CpuBackend>) {
+//! let twice = m.permute(&CpuBackend, q, pool); // a fused tensor cannot be permuted again
+//! # }
+//! ```
+//!
+//! ```compile_fail
+//! # use orchestrator_kernels::params::*;
+//! # use orchestrator_kernels::backend::CpuBackend;
+//! # fn f(m: Mx<CpuBackend, WqB, CheckpointOrder>, pool: &mut orchestrator_kernels::BufferPool<CpuBackend>) {
+//! let k = m.into_kernel(&CpuBackend, pool); // the hook needs the fused layout
+//! # }
+//! ```
+//!
+//! ```compile_fail
+//! # use orchestrator_kernels::params::*;
+//! # use orchestrator_kernels::backend::CpuBackend;
+//! # fn f(m: Mx<CpuBackend, WoA, CheckpointOrder>, pool: &mut orchestrator_kernels::BufferPool<CpuBackend>) {
+//! let k = m.into_kernel(&CpuBackend, 8, pool); // wo_a's BMM hook needs the fused layout too
+//! # }
+//! ```
+//!
+//! Permutations are built from geometry alone ([`QPermutation::new`] from local heads and
+//! head_dim, [`OPermutation::new`] from head_dim), never from a tensor's current shape; a
+//! permutation whose size disagrees with the tensor is an error, not a guess.
+
+use std::marker::PhantomData;
+
+use crate::backend::{Backend, BufferPool};
+use crate::digest::Digest;
+use crate::mxfp8::{ScaleRule, BLOCK};
+use crate::permutation::{Permutation, O_CHUNK};
+use crate::{e4m3, e8m0, layout, KernelError};
+
+/// Layout state: rows and columns in checkpoint order (scales already one per row).
+pub struct CheckpointOrder;
+/// Layout state: permuted into the mega-attention chunk-interleaved layout.
+pub struct Fused;
+
+/// `wq_b`: Q up-projection, rows permuted by heads and 16-dim chunks.
+pub struct WqB;
+/// `wo_a`: grouped O low-rank projection, columns permuted in 32-dim chunks.
+pub struct WoA;
+/// `wo_b`: O output projection, never permuted.
+pub struct WoB;
+
+/// Where a parameter's checkpoint-order bytes come from (host memory, row-major).
+#[derive(Clone, Copy, Debug)]
+pub enum WeightSource<'a> {
+    /// E4M3 weight `[rows, k]` and its UE8M0 block scale `[rows/block[0], k/block[1]]`.
+    Fp8 { weight: &'a [u8], block_scale: &'a [u8], block: [usize; 2] },
+    /// BF16 weight `[rows, k]`, little-endian, quantized to MXFP8 on load.
+    Bf16 { weight: &'a [u8] },
+}
+
+/// The Q row permutation of one rank's `wq_b` shard.
+#[derive(Clone, Debug)]
+pub struct QPermutation {
+    rows: Permutation,
+}
+
+impl QPermutation {
+    /// From the module's geometry: the rank's local heads and head_dim.
+    pub fn new(n_local_heads: usize, head_dim: usize) -> Result<Self, KernelError> {
+        Ok(Self { rows: Permutation::q_rows(n_local_heads, head_dim)? })
+    }
+    pub fn rows(&self) -> &Permutation {
+        &self.rows
+    }
+}
+
+/// The O column permutation of `wo_a` (the same for every group and rank) and its 32-column
+/// chunk permutation, which also permutes the per-32 scale columns.
+#[derive(Clone, Debug)]
+pub struct OPermutation {
+    columns: Permutation,
+    chunks: Permutation,
+}
+
+impl OPermutation {
+    /// From head_dim (8 heads per group is mega attention's fixed group size).
+    pub fn new(head_dim: usize) -> Result<Self, KernelError> {
+        let columns = Permutation::o_columns(head_dim)?;
+        let chunks = columns.of_chunks(O_CHUNK)?;
+        Ok(Self { columns, chunks })
+    }
+    pub fn columns(&self) -> &Permutation {
+        &self.columns
+    }
+    pub fn chunks(&self) -> &Permutation {
+        &self.chunks
+    }
+}
+
+/// An MXFP8 matrix `[rows, k]` with per-row scales `[rows, k/32]` for parameter `P` in layout
+/// state `S`. Built only by [`Mx::from_source`] (checkpoint order) and moved forward only by
+/// the pipeline's transitions.
+pub struct Mx<B: Backend, P, S> {
+    weight: B::Buffer,
+    scale: B::Buffer,
+    rows: usize,
+    k: usize,
+    _layout: PhantomData<(P, S)>,
+}
+
+impl<B: Backend, P, S> Mx<B, P, S> {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    pub fn k(&self) -> usize {
+        self.k
+    }
+    /// Scale columns per row (`k / 32`).
+    pub fn scale_cols(&self) -> usize {
+        self.k / BLOCK
+    }
+    /// Digests of the E4M3 bytes and of the per-row scale bytes, in storage order.
+    pub fn digests(&self, backend: &B) -> Result<(Digest, Digest), KernelError> {
+        Ok((backend.digest(&self.weight)?, backend.digest(&self.scale)?))
+    }
+    /// Host copies of the E4M3 bytes and per-row scales.
+    pub fn to_host(&self, backend: &B) -> Result<(Vec<u8>, Vec<u8>), KernelError> {
+        let (mut w, mut s) = (Vec::new(), Vec::new());
+        backend.download(&self.weight, &mut w)?;
+        backend.download(&self.scale, &mut s)?;
+        Ok((w, s))
+    }
+    /// Returns the buffers to a pool.
+    pub fn recycle(self, pool: &mut BufferPool<B>) {
+        pool.give(self.weight);
+        pool.give(self.scale);
+    }
+
+}
+
+/// Builds a matrix in a given state; private, so only this module's transitions can.
+fn mx<B: Backend, P, S>(weight: B::Buffer, scale: B::Buffer, rows: usize, k: usize) -> Mx<B, P, S> {
+    Mx { weight, scale, rows, k, _layout: PhantomData }
+}
+
+fn check_source_shape(what: &str, got: usize, want: usize) -> Result<(), KernelError> {
+    if got != want {
+        return Err(KernelError::Shape(format!("{what} has {got} bytes, expected {want}")));
+    }
+    Ok(())
+}
+
+impl<B: Backend, P> Mx<B, P, CheckpointOrder> {
+    /// Reads checkpoint-order bytes into backend buffers from `pool`: an FP8 source has its
+    /// block scales expanded to one per row; a BF16 source is MXFP8-quantized with `rule`.
+    /// NaN scale bytes, NaN E4M3 bytes and non-finite BF16 values are errors with a position.
+    pub fn from_source(
+        backend: &B,
+        source: WeightSource<'_>,
+        rows: usize,
+        k: usize,
+        rule: ScaleRule,
+        pool: &mut BufferPool<B>,
+    ) -> Result<Self, KernelError> {
+        if k % BLOCK != 0 {
+            return Err(KernelError::Shape(format!("K = {k} is not a multiple of {BLOCK}")));
+        }
+        let mut weight = pool.take(backend, rows * k);
+        let mut scale = pool.take(backend, rows * (k / BLOCK));
+        let result = match source {
+            WeightSource::Fp8 { weight: w, block_scale, block } => (|| {
+                check_source_shape("E4M3 weight", w.len(), rows * k)?;
+                if let Some(at) = e8m0::find_nan(block_scale) {
+                    let cols = k / block[1].max(1);
+                    return Err(KernelError::NanScale { row: at / cols.max(1), col: at % cols.max(1) });
+                }
+                if let Some(at) = w.iter().position(|&b| e4m3::is_nan(b)) {
+                    return Err(KernelError::NonFinite { row: at / k, col: at % k });
+                }
+                backend.upload(w, &mut weight)?;
+                let mut staged = pool.take(backend, block_scale.len());
+                let r = backend
+                    .upload(block_scale, &mut staged)
+                    .and_then(|()| backend.expand_block_scales(&staged, rows, k, block, &mut scale));
+                pool.give(staged);
+                r
+            })(),
+            WeightSource::Bf16 { weight: w } => (|| {
+                check_source_shape("BF16 weight", w.len(), rows * k * 2)?;
+                let mut staged = pool.take(backend, w.len());
+                let r = backend
+                    .upload(w, &mut staged)
+                    .and_then(|()| backend.quantize_bf16_rows(&staged, rows, k, rule, &mut weight, &mut scale));
+                pool.give(staged);
+                r
+            })(),
+        };
+        match result {
+            Ok(()) => Ok(mx(weight, scale, rows, k)),
+            Err(e) => {
+                pool.give(weight);
+                pool.give(scale);
+                Err(e)
+            }
+        }
+    }
+
+    /// The block scale `[rows/bm, k/bk]` these per-row scales were expanded from; an error if
+    /// any block's rows or columns disagree (then they did not come from block scales).
+    pub fn block_scales(&self, backend: &B, block: [usize; 2]) -> Result<Vec<u8>, KernelError> {
+        let [bm, bk] = block;
+        let c = self.scale_cols();
+        let per = bk / BLOCK;
+        if bm == 0 || per == 0 || self.rows % bm != 0 || c % per != 0 {
+            return Err(KernelError::Shape(format!("[{}, {}] has no {bm}x{bk} blocks", self.rows, self.k)));
+        }
+        let mut host = Vec::new();
+        backend.download(&self.scale, &mut host)?;
+        let (brows, bcols) = (self.rows / bm, c / per);
+        let mut out = vec![0u8; brows * bcols];
+        for r in 0..self.rows {
+            for j in 0..c {
+                let v = host[r * c + j];
+                let slot = &mut out[(r / bm) * bcols + j / per];
+                if r % bm == 0 && j % per == 0 {
+                    *slot = v;
+                } else if *slot != v {
+                    return Err(KernelError::Layout(format!(
+                        "per-row scale ({r}, {j}) = {v} differs from its {bm}x{bk} block's {}",
+                        *slot
+                    )));
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl<B: Backend> Mx<B, WqB, CheckpointOrder> {
+    /// Gathers rows (weight and scale alike) into the fused Q layout.
+    pub fn permute(self, backend: &B, q: &QPermutation, pool: &mut BufferPool<B>) -> Result<Mx<B, WqB, Fused>, KernelError> {
+        let (w, s, rows, k) = gather_rows(backend, self.weight, self.scale, self.rows, self.k, q.rows(), pool)?;
+        Ok(mx(w, s, rows, k))
+    }
+}
+
+impl<B: Backend> Mx<B, WqB, Fused> {
+    /// Inverse of [`Mx::permute`] (for round-trip checks).
+    pub fn unpermute(self, backend: &B, q: &QPermutation, pool: &mut BufferPool<B>) -> Result<Mx<B, WqB, CheckpointOrder>, KernelError> {
+        let inv = q.rows().inverse();
+        let (w, s, rows, k) = gather_rows(backend, self.weight, self.scale, self.rows, self.k, &inv, pool)?;
+        Ok(mx(w, s, rows, k))
+    }
+
+    /// The CuteDSL MXFP8 linear hook: weight bytes stay `[N, K]` row-major (read as a `[K, N]`
+    /// column-major view); the per-row scale is F8_128x4-swizzled.
+    pub fn into_kernel(self, backend: &B, pool: &mut BufferPool<B>) -> Result<KernelTensor<B>, KernelError> {
+        linear_hook(backend, self.weight, self.scale, self.rows, self.k, pool)
+    }
+}
+
+impl<B: Backend> Mx<B, WoA, CheckpointOrder> {
+    /// Gathers 32-column chunks of every row into the fused O layout, and the per-32 scale
+    /// columns by the same chunk permutation.
+    pub fn permute(self, backend: &B, o: &OPermutation, pool: &mut BufferPool<B>) -> Result<Mx<B, WoA, Fused>, KernelError> {
+        let (w, s, rows, k) = gather_columns(backend, self.weight, self.scale, self.rows, self.k, o.chunks(), pool)?;
+        Ok(mx(w, s, rows, k))
+    }
+}
+
+impl<B: Backend> Mx<B, WoA, Fused> {
+    /// Inverse of [`Mx::permute`].
+    pub fn unpermute(self, backend: &B, o: &OPermutation, pool: &mut BufferPool<B>) -> Result<Mx<B, WoA, CheckpointOrder>, KernelError> {
+        let inv = o.chunks().inverse();
+        let (w, s, rows, k) = gather_columns(backend, self.weight, self.scale, self.rows, self.k, &inv, pool)?;
+        Ok(mx(w, s, rows, k))
+    }
+
+    /// The `wo_a` BMM hook: weight viewed `[groups, rows/groups, k]`, scales packed as
+    /// DeepGEMM MN-major UE8M0 int32 `[groups, k/128, rows/groups]` (storage order).
+    pub fn into_kernel(self, backend: &B, groups: usize, pool: &mut BufferPool<B>) -> Result<KernelTensor<B>, KernelError> {
+        if groups == 0 || self.rows % groups != 0 {
+            return Err(KernelError::Shape(format!("{} wo_a rows do not split into {groups} groups", self.rows)));
+        }
+        let per_group = self.rows / groups;
+        let c = self.scale_cols();
+        let mut packed = pool.take(backend, self.rows * c);
+        if let Err(e) = backend.pack_ue8m0(&self.scale, groups, per_group, c, &mut packed) {
+            pool.give(packed);
+            self.recycle(pool);
+            return Err(e);
+        }
+        pool.give(self.scale);
+        Ok(KernelTensor {
+            weight: self.weight,
+            weight_shape: vec![groups, per_group, self.k],
+            scale: packed,
+            scale_layout: ScaleLayout::PackedUe8m0 { groups, rows: per_group, cols: c },
+        })
+    }
+}
+
+impl<B: Backend> Mx<B, WoB, CheckpointOrder> {
+    /// `wo_b` is not permuted: the same linear hook as `wq_b`, on checkpoint order.
+    pub fn into_kernel(self, backend: &B, pool: &mut BufferPool<B>) -> Result<KernelTensor<B>, KernelError> {
+        linear_hook(backend, self.weight, self.scale, self.rows, self.k, pool)
+    }
+}
+
+fn gather_rows<B: Backend>(
+    backend: &B,
+    weight: B::Buffer,
+    scale: B::Buffer,
+    rows: usize,
+    k: usize,
+    perm: &Permutation,
+    pool: &mut BufferPool<B>,
+) -> Result<(B::Buffer, B::Buffer, usize, usize), KernelError> {
+    if perm.len() != rows {
+        pool.give(weight);
+        pool.give(scale);
+        return Err(KernelError::Shape(format!(
+            "the Q permutation covers {} rows but the shard has {rows}",
+            perm.len()
+        )));
+    }
+    let c = k / BLOCK;
+    permute_pair(backend, weight, scale, pool, |src, dst| backend.gather_runs(src, rows * k, k, perm, dst), |src, dst| {
+        backend.gather_runs(src, rows * c, c, perm, dst)
+    })
+    .map(|(w, s)| (w, s, rows, k))
+}
+
+fn gather_columns<B: Backend>(
+    backend: &B,
+    weight: B::Buffer,
+    scale: B::Buffer,
+    rows: usize,
+    k: usize,
+    chunks: &Permutation,
+    pool: &mut BufferPool<B>,
+) -> Result<(B::Buffer, B::Buffer, usize, usize), KernelError> {
+    if chunks.len() * O_CHUNK != k {
+        pool.give(weight);
+        pool.give(scale);
+        return Err(KernelError::Shape(format!(
+            "the O permutation covers {} columns but wo_a has {k}",
+            chunks.len() * O_CHUNK
+        )));
+    }
+    let c = k / BLOCK;
+    permute_pair(backend, weight, scale, pool, |src, dst| backend.gather_runs(src, k, O_CHUNK, chunks, dst), |src, dst| {
+        backend.gather_runs(src, c, 1, chunks, dst)
+    })
+    .map(|(w, s)| (w, s, rows, k))
+}
+
+/// Applies two gathers into fresh pool buffers, returning the sources to the pool.
+fn permute_pair<B: Backend>(
+    backend: &B,
+    weight: B::Buffer,
+    scale: B::Buffer,
+    pool: &mut BufferPool<B>,
+    gather_weight: impl FnOnce(&B::Buffer, &mut B::Buffer) -> Result<(), KernelError>,
+    gather_scale: impl FnOnce(&B::Buffer, &mut B::Buffer) -> Result<(), KernelError>,
+) -> Result<(B::Buffer, B::Buffer), KernelError> {
+    let mut w = pool.take(backend, backend.len(&weight));
+    let mut s = pool.take(backend, backend.len(&scale));
+    let r = gather_weight(&weight, &mut w).and_then(|()| gather_scale(&scale, &mut s));
+    pool.give(weight);
+    pool.give(scale);
+    match r {
+        Ok(()) => Ok((w, s)),
+        Err(e) => {
+            pool.give(w);
+            pool.give(s);
+            Err(e)
+        }
+    }
+}
+
+fn linear_hook<B: Backend>(
+    backend: &B,
+    weight: B::Buffer,
+    scale: B::Buffer,
+    rows: usize,
+    k: usize,
+    pool: &mut BufferPool<B>,
+) -> Result<KernelTensor<B>, KernelError> {
+    let c = k / BLOCK;
+    let mut swizzled = pool.take(backend, layout::swizzled_len(rows, c));
+    if let Err(e) = backend.swizzle_128x4(&scale, rows, c, &mut swizzled) {
+        pool.give(swizzled);
+        pool.give(weight);
+        pool.give(scale);
+        return Err(e);
+    }
+    pool.give(scale);
+    Ok(KernelTensor {
+        weight,
+        weight_shape: vec![rows, k],
+        scale: swizzled,
+        scale_layout: ScaleLayout::Swizzled128x4 { rows, cols: c },
+    })
+}
+
+/// How a kernel-visible scale is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleLayout {
+    /// F8_128x4 swizzle of an `[rows, cols]` per-row scale; stored as 1-D UE8M0 bytes.
+    Swizzled128x4 { rows: usize, cols: usize },
+    /// DeepGEMM MN-major packed UE8M0 of `[groups*rows, cols]`: int32 `[groups, cols/4, rows]`
+    /// in storage order.
+    PackedUe8m0 { groups: usize, rows: usize, cols: usize },
+}
+
+impl ScaleLayout {
+    /// Safetensors dtype name and shape of the stored scale.
+    pub fn dtype_and_shape(&self) -> (&'static str, Vec<usize>) {
+        match *self {
+            ScaleLayout::Swizzled128x4 { rows, cols } => ("F8_E8M0", vec![layout::swizzled_len(rows, cols)]),
+            ScaleLayout::PackedUe8m0 { groups, rows, cols } => ("I32", vec![groups, cols / 4, rows]),
+        }
+    }
+}
+
+/// A parameter as its kernel reads it: E4M3 weight bytes (shape as the kernel views the
+/// storage) and the hooked scale.
+pub struct KernelTensor<B: Backend> {
+    pub weight: B::Buffer,
+    pub weight_shape: Vec<usize>,
+    pub scale: B::Buffer,
+    pub scale_layout: ScaleLayout,
+}
+
+impl<B: Backend> KernelTensor<B> {
+    /// Returns the buffers to a pool (a reload then writes into them again).
+    pub fn recycle(self, pool: &mut BufferPool<B>) {
+        pool.give(self.weight);
+        pool.give(self.scale);
+    }
+
+    /// Inverse of the hooks: the per-row scale back in row-major `[rows, k/32]`, as the fused
+    /// (or, for `wo_b`, checkpoint-order) matrix the hook consumed. Copies; `self` is kept.
+    fn unhook<P, S>(&self, backend: &B, pool: &mut BufferPool<B>) -> Result<Mx<B, P, S>, KernelError> {
+        let rows: usize = self.weight_shape[..self.weight_shape.len() - 1].iter().product();
+        let k = *self.weight_shape.last().unwrap_or(&0);
+        let mut host = Vec::new();
+        backend.download(&self.weight, &mut host)?;
+        let mut weight = pool.take(backend, host.len());
+        backend.upload(&host, &mut weight)?;
+        let mut scale = pool.take(backend, rows * (k / BLOCK));
+        let r = match self.scale_layout {
+            ScaleLayout::Swizzled128x4 { rows, cols } => backend.unswizzle_128x4(&self.scale, rows, cols, &mut scale),
+            ScaleLayout::PackedUe8m0 { groups, rows, cols } => backend.unpack_ue8m0(&self.scale, groups, rows, cols, &mut scale),
+        };
+        if let Err(e) = r {
+            pool.give(weight);
+            pool.give(scale);
+            return Err(e);
+        }
+        Ok(Mx { weight, scale, rows, k, _layout: PhantomData })
+    }
+
+    /// `wq_b`: undo the linear hook, giving the fused matrix back.
+    pub fn unhook_wq_b(&self, backend: &B, pool: &mut BufferPool<B>) -> Result<Mx<B, WqB, Fused>, KernelError> {
+        self.expect_layout(matches!(self.scale_layout, ScaleLayout::Swizzled128x4 { .. }), "wq_b")?;
+        self.unhook(backend, pool)
+    }
+    /// `wo_a`: undo the BMM hook, giving the fused matrix back.
+    pub fn unhook_wo_a(&self, backend: &B, pool: &mut BufferPool<B>) -> Result<Mx<B, WoA, Fused>, KernelError> {
+        self.expect_layout(matches!(self.scale_layout, ScaleLayout::PackedUe8m0 { .. }), "wo_a")?;
+        self.unhook(backend, pool)
+    }
+    /// `wo_b`: undo the linear hook, giving checkpoint order back.
+    pub fn unhook_wo_b(&self, backend: &B, pool: &mut BufferPool<B>) -> Result<Mx<B, WoB, CheckpointOrder>, KernelError> {
+        self.expect_layout(matches!(self.scale_layout, ScaleLayout::Swizzled128x4 { .. }), "wo_b")?;
+        self.unhook(backend, pool)
+    }
+
+    fn expect_layout(&self, ok: bool, what: &str) -> Result<(), KernelError> {
+        if ok {
+            Ok(())
+        } else {
+            Err(KernelError::Layout(format!("{what} kernel tensor has scale layout {:?}", self.scale_layout)))
+        }
+    }
+}

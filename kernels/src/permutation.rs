@@ -1,0 +1,207 @@
+//! The mega-attention permutations (spec section 5), with the convention `fused = standard[perm]`.
+//! They are computed from geometry (local heads, head_dim), never from a tensor's shape.
+
+use crate::KernelError;
+
+/// Dims per Q chunk: each token's Q becomes `head_dim / 16` chunks of `[H heads x 16 dims]`.
+pub const Q_CHUNK: usize = 16;
+/// Dims per O chunk.
+pub const O_CHUNK: usize = 32;
+/// Heads per `wo_a` group (mega attention's fixed group size).
+pub const HEADS_PER_GROUP: usize = 8;
+
+/// A bijection on `0..len`: `perm[f]` is the standard index read into fused position `f`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Permutation {
+    map: Vec<u32>,
+}
+
+impl Permutation {
+    /// Wraps a map, checking that it is a bijection.
+    pub fn from_map(map: Vec<u32>) -> Result<Self, KernelError> {
+        let mut seen = vec![false; map.len()];
+        for (f, &s) in map.iter().enumerate() {
+            let slot = seen.get_mut(s as usize).ok_or_else(|| {
+                KernelError::Shape(format!("permutation sends {f} to {s}, outside 0..{}", map.len()))
+            })?;
+            if std::mem::replace(slot, true) {
+                return Err(KernelError::Shape(format!("permutation repeats index {s}")));
+            }
+        }
+        Ok(Self { map })
+    }
+
+    /// The Q permutation of `wq_b` rows for `n_local_heads` heads of `head_dim` dims:
+    /// standard row `s = h*D + d` goes to fused row `f = (d/16)*(H*16) + h*16 + d%16`.
+    pub fn q_rows(n_local_heads: usize, head_dim: usize) -> Result<Self, KernelError> {
+        if n_local_heads == 0 || head_dim % Q_CHUNK != 0 {
+            return Err(KernelError::Shape(format!(
+                "Q permutation needs heads > 0 and head_dim a multiple of {Q_CHUNK} (heads {n_local_heads}, head_dim {head_dim})"
+            )));
+        }
+        let h_count = n_local_heads;
+        let mut map = vec![0u32; h_count * head_dim];
+        for h in 0..h_count {
+            for d in 0..head_dim {
+                let s = h * head_dim + d;
+                let f = (d / Q_CHUNK) * (h_count * Q_CHUNK) + h * Q_CHUNK + d % Q_CHUNK;
+                map[f] = s as u32;
+            }
+        }
+        Ok(Self { map })
+    }
+
+    /// The O permutation of `wo_a` columns (one group of 8 heads):
+    /// standard column `s = h*D + c*32 + j` goes to fused column `f = (c*8 + h)*32 + j`.
+    pub fn o_columns(head_dim: usize) -> Result<Self, KernelError> {
+        if head_dim % O_CHUNK != 0 {
+            return Err(KernelError::Shape(format!(
+                "O permutation needs head_dim a multiple of {O_CHUNK} (got {head_dim})"
+            )));
+        }
+        let chunks = head_dim / O_CHUNK;
+        let mut map = vec![0u32; HEADS_PER_GROUP * head_dim];
+        for h in 0..HEADS_PER_GROUP {
+            for c in 0..chunks {
+                for j in 0..O_CHUNK {
+                    let s = h * head_dim + c * O_CHUNK + j;
+                    let f = (c * HEADS_PER_GROUP + h) * O_CHUNK + j;
+                    map[f] = s as u32;
+                }
+            }
+        }
+        Ok(Self { map })
+    }
+
+    /// The permutation of `chunk`-sized runs, `perm[::chunk] / chunk`, checking that every run
+    /// of `chunk` fused positions reads one aligned run of standard positions (so the
+    /// permutation moves whole blocks and block quantization commutes with it).
+    pub fn of_chunks(&self, chunk: usize) -> Result<Self, KernelError> {
+        if chunk == 0 || self.map.len() % chunk != 0 {
+            return Err(KernelError::Shape(format!("{} is not a multiple of chunk {chunk}", self.map.len())));
+        }
+        let mut map = Vec::with_capacity(self.map.len() / chunk);
+        for run in self.map.chunks_exact(chunk) {
+            let start = run[0] as usize;
+            let aligned = start % chunk == 0;
+            let contiguous = run.iter().enumerate().all(|(i, &s)| s as usize == start + i);
+            if !aligned || !contiguous {
+                return Err(KernelError::Shape(format!(
+                    "permutation does not move aligned runs of {chunk} (run starting at standard {start})"
+                )));
+            }
+            map.push((start / chunk) as u32);
+        }
+        Ok(Self { map })
+    }
+
+    /// The inverse bijection: `inverse[perm[f]] = f`.
+    pub fn inverse(&self) -> Self {
+        let mut map = vec![0u32; self.map.len()];
+        for (f, &s) in self.map.iter().enumerate() {
+            map[s as usize] = f as u32;
+        }
+        Self { map }
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    pub fn as_slice(&self) -> &[u32] {
+        &self.map
+    }
+
+    /// Applies the permutation to a slice of items: `out[f] = items[perm[f]]`.
+    pub fn apply<T: Copy>(&self, items: &[T]) -> Vec<T> {
+        self.map.iter().map(|&s| items[s as usize]).collect()
+    }
+}
+
+/// Gathers runs of `run_bytes` bytes inside each row of `row_bytes` bytes:
+/// `dst[row][f] = src[row][perm[f]]` where indices count runs. A row gather is the case of one
+/// "row" spanning the whole buffer; a column gather has `row_bytes` = one matrix row.
+pub fn gather_runs(
+    src: &[u8],
+    row_bytes: usize,
+    run_bytes: usize,
+    perm: &Permutation,
+    dst: &mut Vec<u8>,
+) -> Result<(), KernelError> {
+    if run_bytes == 0 || row_bytes != perm.len() * run_bytes || src.len() % row_bytes.max(1) != 0 {
+        return Err(KernelError::Shape(format!(
+            "cannot gather {} runs of {run_bytes} bytes from rows of {row_bytes} bytes ({} bytes in all)",
+            perm.len(),
+            src.len()
+        )));
+    }
+    dst.clear();
+    dst.resize(src.len(), 0);
+    for (src_row, dst_row) in src.chunks_exact(row_bytes).zip(dst.chunks_exact_mut(row_bytes)) {
+        if run_bytes == 1 {
+            for (d, &s) in dst_row.iter_mut().zip(perm.as_slice()) {
+                *d = src_row[s as usize];
+            }
+        } else {
+            for (d, &s) in dst_row.chunks_exact_mut(run_bytes).zip(perm.as_slice()) {
+                let at = s as usize * run_bytes;
+                d.copy_from_slice(&src_row[at..at + run_bytes]);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q_worked_examples() {
+        let p = Permutation::q_rows(8, 512).unwrap();
+        assert_eq!(&p.as_slice()[0..4], &[0, 1, 2, 3]);
+        assert_eq!(&p.as_slice()[16..20], &[512, 513, 514, 515]);
+        assert_eq!(&p.as_slice()[128..132], &[16, 17, 18, 19]);
+    }
+
+    #[test]
+    fn o_worked_examples() {
+        let p = Permutation::o_columns(512).unwrap();
+        assert_eq!(&p.as_slice()[0..3], &[0, 1, 2]);
+        assert_eq!(&p.as_slice()[32..35], &[512, 513, 514]);
+        assert_eq!(&p.as_slice()[256..259], &[32, 33, 34]);
+        let chunks = p.of_chunks(O_CHUNK).unwrap();
+        assert_eq!(chunks.len(), 128);
+        assert_eq!(&chunks.as_slice()[..10], &[0, 16, 32, 48, 64, 80, 96, 112, 1, 17]);
+    }
+
+    #[test]
+    fn q_moves_whole_scale_blocks_only_along_rows() {
+        // Rows move whole; the 32-element K blocks of every row stay put.
+        let p = Permutation::q_rows(16, 512).unwrap();
+        assert!(Permutation::from_map(p.as_slice().to_vec()).is_ok());
+        assert!(p.of_chunks(Q_CHUNK).is_ok());
+    }
+
+    #[test]
+    fn rejects_non_bijections() {
+        assert!(Permutation::from_map(vec![0, 0, 1]).is_err());
+        assert!(Permutation::from_map(vec![0, 3]).is_err());
+    }
+
+    #[test]
+    fn gather_rows_and_columns() {
+        let perm = Permutation::from_map(vec![2, 0, 1]).unwrap();
+        let src: Vec<u8> = (0..6).collect(); // 3 rows of 2 bytes
+        let mut dst = Vec::new();
+        gather_runs(&src, 6, 2, &perm, &mut dst).unwrap();
+        assert_eq!(dst, vec![4, 5, 0, 1, 2, 3]);
+        // Columns: 2 rows of 3 bytes.
+        gather_runs(&src, 3, 1, &perm, &mut dst).unwrap();
+        assert_eq!(dst, vec![2, 0, 1, 5, 3, 4]);
+    }
+}

@@ -1,0 +1,276 @@
+//! Reading a Hugging Face checkpoint directory (`config.json`, `model.safetensors.index.json`,
+//! shard files): shard files are memory-mapped on first use and only the rank's rows or
+//! columns are copied out, so a rank touches only the pages it holds.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use memmap2::Mmap;
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::{SafeTensorError, SafeTensors};
+use serde_json::Value;
+
+use crate::config::ModelConfig;
+use crate::names::TensorSpec;
+use crate::ModelError;
+
+pub const CONFIG_FILE: &str = "config.json";
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+pub const SINGLE_FILE: &str = "model.safetensors";
+
+/// An opened checkpoint directory.
+pub struct Checkpoint {
+    dir: PathBuf,
+    pub config: ModelConfig,
+    index_file: PathBuf,
+    weight_map: BTreeMap<String, String>,
+    shards: Mutex<HashMap<String, Arc<Shard>>>,
+}
+
+/// One memory-mapped shard file with its parsed header.
+pub struct Shard {
+    pub path: PathBuf,
+    mmap: Mmap,
+    data_start: usize,
+    tensors: HashMap<String, TensorInfo>,
+}
+
+impl Shard {
+    /// Maps and parses a shard. `wanted` names the tensor the caller is after, for errors.
+    pub fn open(path: &Path, wanted: &str) -> Result<Self, ModelError> {
+        let file = File::open(path).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::NotFound {
+                ModelError::MissingShard { file: path.to_path_buf(), tensor: wanted.to_string() }
+            } else {
+                ModelError::Io { path: path.to_path_buf(), source }
+            }
+        })?;
+        // SAFETY: the map is read-only; checkpoints are not modified while loaded (a writer
+        // replaces files by rename, which leaves this mapping on the old inode).
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
+        let (n, metadata) = SafeTensors::read_metadata(&mmap).map_err(|e| diagnose(path, &mmap, e, wanted))?;
+        let tensors = tensor_infos(&metadata);
+        Ok(Self { path: path.to_path_buf(), mmap, data_start: 8 + n, tensors })
+    }
+
+    pub fn info(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.get(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// The stored bytes of a tensor.
+    pub fn bytes(&self, name: &str) -> Option<&[u8]> {
+        let info = self.tensors.get(name)?;
+        let (a, b) = info.data_offsets;
+        self.mmap.get(self.data_start + a..self.data_start + b)
+    }
+}
+
+fn tensor_infos(metadata: &Metadata) -> HashMap<String, TensorInfo> {
+    metadata.tensors().into_iter().map(|(k, v)| (k, v.clone())).collect()
+}
+
+/// Turns a safetensors parse failure into an error that names the file and a tensor.
+fn diagnose(path: &Path, bytes: &[u8], err: SafeTensorError, wanted: &str) -> ModelError {
+    let file = path.to_path_buf();
+    let malformed = |why: String| ModelError::MalformedHeader { file: file.clone(), tensor: wanted.to_string(), why };
+    match err {
+        SafeTensorError::HeaderTooSmall | SafeTensorError::InvalidHeaderLength => {
+            let declared = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])));
+            ModelError::Truncated {
+                file,
+                tensor: format!("(header, wanted `{wanted}`)"),
+                needed: declared.map_or(8, |n| 8usize.saturating_add(n as usize)),
+                available: bytes.len(),
+            }
+        }
+        SafeTensorError::MetadataIncompleteBuffer
+        | SafeTensorError::InvalidOffset(_)
+        | SafeTensorError::TensorInvalidInfo
+        | SafeTensorError::ValidationOverflow => diagnose_offsets(path, bytes, wanted).unwrap_or_else(|| malformed(err.to_string())),
+        other => malformed(other.to_string()),
+    }
+}
+
+/// Finds which tensor's offsets break the file: past the end of a file whose header is
+/// otherwise consistent is a truncation; anything else is a bad offset.
+fn diagnose_offsets(path: &Path, bytes: &[u8], wanted: &str) -> Option<ModelError> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header: Value = serde_json::from_slice(bytes.get(8..8 + n)?).ok()?;
+    let data_len = bytes.len() - 8 - n;
+    let mut entries: Vec<(String, usize, usize, Option<usize>)> = Vec::new();
+    for (name, v) in header.as_object()? {
+        if name == "__metadata__" {
+            continue;
+        }
+        let offs = v.get("data_offsets")?.as_array()?;
+        let (a, b) = (offs.first()?.as_u64()? as usize, offs.get(1)?.as_u64()? as usize);
+        let dtype: Option<safetensors::Dtype> = serde_json::from_value(v.get("dtype")?.clone()).ok();
+        let numel: Option<usize> = v.get("shape")?.as_array()?.iter().map(|d| d.as_u64().map(|x| x as usize)).product();
+        let size = dtype.zip(numel).map(|(d, e)| e * d.bitsize() / 8);
+        entries.push((name.clone(), a, b, size));
+    }
+    entries.sort_by_key(|e| (e.1, e.2));
+    let mut expected_start = 0usize;
+    let mut consistent = true;
+    for (name, a, b, size) in &entries {
+        if *b < *a || *a != expected_start || size.is_some_and(|s| s != b - a) {
+            consistent = false;
+            if *b <= data_len || *b < *a {
+                return Some(ModelError::BadOffsets {
+                    file: path.to_path_buf(),
+                    tensor: name.clone(),
+                    why: format!("data_offsets [{a}, {b}) do not follow the previous tensor (ending at {expected_start}) or do not match its dtype and shape"),
+                });
+            }
+        }
+        expected_start = *b;
+    }
+    let past = entries.iter().find(|e| e.2 > data_len)?;
+    Some(if consistent {
+        ModelError::Truncated { file: path.to_path_buf(), tensor: past.0.clone(), needed: past.2, available: data_len }
+    } else {
+        ModelError::BadOffsets {
+            file: path.to_path_buf(),
+            tensor: past.0.clone(),
+            why: format!(
+                "data_offsets [{}, {}) lie outside the file's data section of {data_len} bytes (looking for `{wanted}`)",
+                past.1, past.2
+            ),
+        }
+    })
+}
+
+impl Checkpoint {
+    /// Opens a checkpoint directory: reads `config.json` and the index (or, for a single-file
+    /// export without an index, the header of `model.safetensors`).
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        if !dir.is_dir() {
+            return Err(ModelError::Io {
+                path: dir.to_path_buf(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "checkpoint directory does not exist"),
+            });
+        }
+        let config = ModelConfig::read(&dir.join(CONFIG_FILE))?;
+        let index_file = dir.join(INDEX_FILE);
+        let shards = Mutex::new(HashMap::new());
+        let weight_map = if index_file.exists() {
+            read_index(&index_file)?
+        } else {
+            let single = dir.join(SINGLE_FILE);
+            let shard = Shard::open(&single, "(any)")?;
+            let map = shard.names().map(|n| (n.to_string(), SINGLE_FILE.to_string())).collect();
+            shards.lock().unwrap_or_else(|p| p.into_inner()).insert(SINGLE_FILE.to_string(), Arc::new(shard));
+            map
+        };
+        Ok(Self { dir: dir.to_path_buf(), config, index_file, weight_map, shards })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Every tensor name in the index with its shard file.
+    pub fn weight_map(&self) -> &BTreeMap<String, String> {
+        &self.weight_map
+    }
+
+    /// The shard file that holds `tensor`, per the index.
+    pub fn file_of(&self, tensor: &str) -> Result<PathBuf, ModelError> {
+        self.weight_map
+            .get(tensor)
+            .map(|f| self.dir.join(f))
+            .ok_or_else(|| ModelError::MissingTensor { tensor: tensor.to_string(), index: self.index_file.clone() })
+    }
+
+    /// The mapped shard holding `tensor` (opened on first use).
+    pub fn shard_of(&self, tensor: &str) -> Result<Arc<Shard>, ModelError> {
+        let file = self
+            .weight_map
+            .get(tensor)
+            .ok_or_else(|| ModelError::MissingTensor { tensor: tensor.to_string(), index: self.index_file.clone() })?;
+        if let Some(s) = self.shards.lock().unwrap_or_else(|p| p.into_inner()).get(file) {
+            return Ok(s.clone());
+        }
+        let shard = Arc::new(Shard::open(&self.dir.join(file), tensor)?);
+        let mut map = self.shards.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(map.entry(file.clone()).or_insert(shard).clone())
+    }
+
+    /// The stored bytes of a whole tensor after checking its dtype and shape against `spec`.
+    pub fn tensor_bytes(&self, spec: &TensorSpec) -> Result<(Arc<Shard>, Range<usize>), ModelError> {
+        let shard = self.shard_of(&spec.name)?;
+        let info = shard.info(&spec.name).ok_or_else(|| ModelError::MissingTensor {
+            tensor: spec.name.clone(),
+            index: shard.path.clone(),
+        })?;
+        if info.dtype != spec.dtype {
+            return Err(ModelError::WrongDtype {
+                file: shard.path.clone(),
+                tensor: spec.name.clone(),
+                expected: format!("{:?}", spec.dtype),
+                found: format!("{:?}", info.dtype),
+            });
+        }
+        if info.shape != spec.shape {
+            return Err(ModelError::WrongShape {
+                file: shard.path.clone(),
+                tensor: spec.name.clone(),
+                expected: spec.shape.clone(),
+                found: info.shape.clone(),
+            });
+        }
+        let (a, b) = info.data_offsets;
+        let range = shard.data_start + a..shard.data_start + b;
+        Ok((shard, range))
+    }
+
+    /// Copies rows `rows` and columns `cols` of a checked 2-D (or 1-D: one row) tensor into
+    /// `out`, row-major, touching only those bytes of the mapping.
+    pub fn read_slice(&self, spec: &TensorSpec, rows: Range<usize>, cols: Range<usize>, out: &mut Vec<u8>) -> Result<PathBuf, ModelError> {
+        let (shard, range) = self.tensor_bytes(spec)?;
+        if rows.end > spec.rows() || cols.end > spec.cols() || rows.start > rows.end || cols.start > cols.end {
+            return Err(ModelError::WrongShape {
+                file: shard.path.clone(),
+                tensor: format!("{} (rows {rows:?}, columns {cols:?} requested)", spec.name),
+                expected: vec![rows.end, cols.end],
+                found: spec.shape.clone(),
+            });
+        }
+        let data = &shard.mmap[range];
+        let width = spec.cols();
+        let es = spec.element_bytes();
+        out.clear();
+        if cols.start == 0 && cols.end == width {
+            out.extend_from_slice(&data[rows.start * width * es..rows.end * width * es]);
+        } else {
+            out.reserve(rows.len() * cols.len() * es);
+            for r in rows {
+                out.extend_from_slice(&data[(r * width + cols.start) * es..(r * width + cols.end) * es]);
+            }
+        }
+        Ok(shard.path.clone())
+    }
+}
+
+fn read_index(file: &Path) -> Result<BTreeMap<String, String>, ModelError> {
+    let err = |why: String| ModelError::Index { file: file.to_path_buf(), why };
+    let text = std::fs::read_to_string(file).map_err(|source| ModelError::Io { path: file.to_path_buf(), source })?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| err(format!("malformed JSON: {e}")))?;
+    let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| err("no `weight_map` object".into()))?;
+    map.iter()
+        .map(|(k, f)| {
+            let f = f.as_str().ok_or_else(|| err(format!("weight_map[`{k}`] is {f}, expected a file name")))?;
+            if f.contains('/') || f.contains("..") {
+                return Err(err(format!("weight_map[`{k}`] = `{f}` points outside the checkpoint directory")));
+            }
+            Ok((k.clone(), f.to_string()))
+        })
+        .collect()
+}

@@ -1,0 +1,60 @@
+//! What both binaries need to agree on: DeepSeek-V4/V4.1 attention geometry, `config.json`,
+//! Hugging Face checkpoint reading (memory-mapped, per-rank slices) and writing (synthetic
+//! checkpoints), the counter-based generator and the tensor-parallel shard plan.
+
+pub mod checkpoint;
+pub mod config;
+pub mod generator;
+pub mod geometry;
+pub mod names;
+pub mod plan;
+pub mod synth;
+
+use std::path::PathBuf;
+
+pub use checkpoint::Checkpoint;
+pub use config::ModelConfig;
+pub use generator::Generator;
+pub use geometry::{Family, Geometry, Preset, WeightFormat};
+pub use names::{Param, Part, TensorSpec};
+pub use plan::RankShard;
+
+/// Errors of geometry, configuration and checkpoint I/O. Every variant about a checkpoint
+/// names the file and, where one is involved, the tensor.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{file}: {why}")]
+    Config { file: PathBuf, why: String },
+    #[error("{file}: {why}")]
+    Index { file: PathBuf, why: String },
+    #[error("unknown preset `{name}` (known: {known})")]
+    UnknownPreset { name: String, known: String },
+    #[error("geometry field `{field}` {why}")]
+    Geometry { field: &'static str, why: String },
+    #[error("quantization: {0}")]
+    Quantization(String),
+    #[error("TP size {tp} is not allowed: {why}")]
+    TpSize { tp: usize, why: String },
+    #[error("tensor `{tensor}` is missing from {index}")]
+    MissingTensor { tensor: String, index: PathBuf },
+    #[error("shard file {file} (holding tensor `{tensor}`) does not exist")]
+    MissingShard { file: PathBuf, tensor: String },
+    #[error("{file}: malformed safetensors header (while looking for tensor `{tensor}`): {why}")]
+    MalformedHeader { file: PathBuf, tensor: String, why: String },
+    #[error("{file} is truncated: tensor `{tensor}` needs bytes up to {needed} of the data section, which has {available}")]
+    Truncated { file: PathBuf, tensor: String, needed: usize, available: usize },
+    #[error("{file}: header offsets of tensor `{tensor}` are invalid: {why}")]
+    BadOffsets { file: PathBuf, tensor: String, why: String },
+    #[error("{file}: tensor `{tensor}` has dtype {found}, expected {expected}")]
+    WrongDtype { file: PathBuf, tensor: String, expected: String, found: String },
+    #[error("{file}: tensor `{tensor}` has shape {found:?}, expected {expected:?}")]
+    WrongShape { file: PathBuf, tensor: String, expected: Vec<usize>, found: Vec<usize> },
+    #[error("{file}: tensor `{tensor}` has a NaN scale byte (0xFF) at [{row}, {col}]")]
+    NanScale { file: PathBuf, tensor: String, row: usize, col: usize },
+    #[error("{file}: tensor `{tensor}` has a non-finite value at [{row}, {col}]")]
+    NonFinite { file: PathBuf, tensor: String, row: usize, col: usize },
+    #[error("writing {path}: {why}")]
+    Write { path: PathBuf, why: String },
+}
