@@ -1,1 +1,44 @@
+//! The orchestrator worker: loads one rank's shard of DeepSeek-V4.1 attention weights through
+//! the permuting pipeline, on a compute backend, and reports what its kernels will read.
 
+pub mod bench;
+pub mod dump;
+pub mod identity;
+pub mod loader;
+pub mod report;
+pub mod roundtrip;
+pub mod source;
+
+pub use identity::LayoutIdentity;
+pub use loader::{LoadError, RankLoader, RankWeights};
+pub use report::RankReport;
+pub use source::LoadSource;
+
+use std::path::Path;
+use std::time::Instant;
+
+use orchestrator_kernels::{Backend, ScaleRule};
+
+/// Loads one rank, checks its round trip, optionally dumps it, and reports.
+pub fn load_and_report<B: Backend + Sync>(
+    backend: &B,
+    source: &LoadSource,
+    tp_size: usize,
+    rank: usize,
+    rule: ScaleRule,
+    dump_dir: Option<&Path>,
+) -> anyhow::Result<RankReport>
+where
+    B::Buffer: Send,
+{
+    let loader = RankLoader::new(backend, source.config(), tp_size, rank, rule)?;
+    let weights = loader.load(source)?;
+    let t = Instant::now();
+    let rt = roundtrip::check_rank(backend, &weights, source.config().format);
+    let rt_s = t.elapsed().as_secs_f64();
+    let dump = match dump_dir {
+        Some(d) => Some(dump::dump_rank(backend, &weights, d)?),
+        None => None,
+    };
+    Ok(RankReport::new(backend, &weights, rt, rt_s, dump))
+}

@@ -1,0 +1,451 @@
+//! Loading one rank: for every layer and parameter, read the rank's checkpoint-order slice
+//! (or generate it), then run the typed pipeline (expand or quantize -> permute -> kernel
+//! hooks) on the backend. Real, dummy and reload paths all go through [`RankLoader::load_layer`].
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use orchestrator_kernels::params::{CheckpointOrder, KernelTensor, Mx, OPermutation, QPermutation, WeightSource, WoA, WoB, WqB};
+use orchestrator_kernels::{Backend, BufferPool, Digest, KernelError, ScaleRule};
+use orchestrator_model::names::{checkpoint_name, kernel_name, layer_tensors};
+use orchestrator_model::{Geometry, ModelConfig, ModelError, Param, Part, RankShard, TensorSpec, WeightFormat};
+use rayon::prelude::*;
+
+use crate::identity::LayoutIdentity;
+use crate::source::LoadSource;
+
+/// Why a rank failed to load.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("{}tensor `{tensor}`: {source}", file.as_ref().map(|f| format!("{}: ", f.display())).unwrap_or_default())]
+    Tensor { tensor: String, file: Option<PathBuf>, source: KernelError },
+    #[error("{0}")]
+    Config(String),
+}
+
+impl LoadError {
+    /// The tensor the error is about, when there is one.
+    pub fn tensor(&self) -> Option<&str> {
+        match self {
+            LoadError::Tensor { tensor, .. } => Some(tensor),
+            LoadError::Model(
+                ModelError::MissingTensor { tensor, .. }
+                | ModelError::MissingShard { tensor, .. }
+                | ModelError::MalformedHeader { tensor, .. }
+                | ModelError::Truncated { tensor, .. }
+                | ModelError::BadOffsets { tensor, .. }
+                | ModelError::WrongDtype { tensor, .. }
+                | ModelError::WrongShape { tensor, .. }
+                | ModelError::NanScale { tensor, .. }
+                | ModelError::NonFinite { tensor, .. },
+            ) => Some(tensor),
+            _ => None,
+        }
+    }
+}
+
+/// Time spent per stage, summed over the threads that ran it.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct StageTimes {
+    /// Copying (or generating) the rank's slices and hashing them (source digests).
+    pub read_s: f64,
+    /// Expansion or quantization, permutation and kernel hooks.
+    pub pipeline_s: f64,
+    /// Kernel digests.
+    pub digest_s: f64,
+}
+
+impl StageTimes {
+    fn add(&mut self, o: &StageTimes) {
+        self.read_s += o.read_s;
+        self.pipeline_s += o.pipeline_s;
+        self.digest_s += o.digest_s;
+    }
+}
+
+/// A digest of one named tensor with its stored dtype and shape.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct TensorDigest {
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    pub bytes: usize,
+    #[serde(serialize_with = "serialize_hex")]
+    pub digest: Digest,
+}
+
+/// Digests appear in JSON as 16 lowercase hex digits.
+pub fn serialize_hex<S: serde::Serializer>(d: &Digest, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&d.hex())
+}
+
+/// Scratch memory one layer keeps for reloads: backend buffers and host staging.
+pub struct LayerScratch<B: Backend> {
+    pool: BufferPool<B>,
+    host_weight: Vec<u8>,
+    host_scale: Vec<u8>,
+}
+
+impl<B: Backend> Default for LayerScratch<B> {
+    fn default() -> Self {
+        Self { pool: BufferPool::default(), host_weight: Vec::new(), host_scale: Vec::new() }
+    }
+}
+
+/// One layer's parameters in their kernel layouts.
+pub struct LayerWeights<B: Backend> {
+    pub layer: usize,
+    pub wq_b: KernelTensor<B>,
+    pub wo_a: KernelTensor<B>,
+    pub wo_b: KernelTensor<B>,
+    pub attn_sink: B::Buffer,
+    /// Digests of the rank's checkpoint slices as stored, by checkpoint name.
+    pub source: Vec<TensorDigest>,
+    /// For BF16 sources, digests of the checkpoint-order MXFP8 matrices (quantized, not yet
+    /// permuted), by parameter: what a round trip must reproduce. (An FP8 round trip is
+    /// checked against the source digests instead.)
+    pub checkpoint_order: Vec<(Param, (Digest, Digest))>,
+    /// Digests of the kernel-visible tensors, by parameter name.
+    pub kernel: Vec<TensorDigest>,
+    pub times: StageTimes,
+    scratch: LayerScratch<B>,
+}
+
+impl<B: Backend> LayerWeights<B> {
+    /// Gives every buffer back to the layer's scratch (a reload then writes into them).
+    fn into_scratch(self) -> LayerScratch<B> {
+        let mut s = self.scratch;
+        self.wq_b.recycle(&mut s.pool);
+        self.wo_a.recycle(&mut s.pool);
+        self.wo_b.recycle(&mut s.pool);
+        s.pool.give(self.attn_sink);
+        s
+    }
+
+    /// Allocation identities of the kernel buffers (to show a reload reuses them).
+    pub fn allocation_ids(&self, backend: &B) -> Vec<usize> {
+        [&self.wq_b, &self.wo_a, &self.wo_b]
+            .iter()
+            .flat_map(|k| [backend.allocation_id(&k.weight), backend.allocation_id(&k.scale)])
+            .chain(std::iter::once(backend.allocation_id(&self.attn_sink)))
+            .collect()
+    }
+}
+
+/// A loaded rank.
+pub struct RankWeights<B: Backend> {
+    pub shard: RankShard,
+    pub identity: LayoutIdentity,
+    pub layers: Vec<LayerWeights<B>>,
+    pub load_format: &'static str,
+    pub source: String,
+    pub wall: Duration,
+    pub times: StageTimes,
+    /// How many times the pipeline has filled these buffers (1 after a load).
+    pub generation: u64,
+}
+
+impl<B: Backend> RankWeights<B> {
+    /// All kernel tensor digests, sorted by name.
+    pub fn kernel_digests(&self) -> Vec<&TensorDigest> {
+        let mut v: Vec<&TensorDigest> = self.layers.iter().flat_map(|l| &l.kernel).collect();
+        v.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
+        v
+    }
+    /// All source digests, sorted by name.
+    pub fn source_digests(&self) -> Vec<&TensorDigest> {
+        let mut v: Vec<&TensorDigest> = self.layers.iter().flat_map(|l| &l.source).collect();
+        v.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
+        v
+    }
+    /// Rank digest over the kernel tensors (spec section 9).
+    pub fn kernel_rank_digest(&self) -> Digest {
+        orchestrator_kernels::digest::rank_digest(self.kernel_digests().into_iter().map(|d| (d.name.as_str(), d.digest)))
+    }
+    /// Rank digest over the checkpoint slices as stored.
+    pub fn source_rank_digest(&self) -> Digest {
+        orchestrator_kernels::digest::rank_digest(self.source_digests().into_iter().map(|d| (d.name.as_str(), d.digest)))
+    }
+    /// Bytes of kernel-visible tensors held.
+    pub fn kernel_bytes(&self) -> usize {
+        self.layers.iter().flat_map(|l| &l.kernel).map(|d| d.bytes).sum()
+    }
+    /// Bytes of checkpoint slices read.
+    pub fn source_bytes(&self) -> usize {
+        self.layers.iter().flat_map(|l| &l.source).map(|d| d.bytes).sum()
+    }
+}
+
+/// Loads one rank of one TP group with a backend.
+pub struct RankLoader<'b, B: Backend> {
+    backend: &'b B,
+    geometry: Geometry,
+    format: WeightFormat,
+    shard: RankShard,
+    rule: ScaleRule,
+    q: QPermutation,
+    o: OPermutation,
+}
+
+fn dtype_name(d: safetensors::Dtype) -> String {
+    format!("{d:?}")
+}
+
+impl<'b, B: Backend + Sync> RankLoader<'b, B> {
+    /// Validates the TP plan against the geometry and builds the permutations from the rank's
+    /// geometry (local heads, head_dim).
+    pub fn new(backend: &'b B, config: &ModelConfig, tp_size: usize, rank: usize, rule: ScaleRule) -> Result<Self, LoadError> {
+        let geometry = config.geometry.clone();
+        let shard = RankShard::new(&geometry, tp_size, rank)?;
+        let kernel = |e: KernelError| LoadError::Config(format!("permutation for rank {rank}: {e}"));
+        let q = QPermutation::new(shard.n_local_heads, geometry.head_dim).map_err(kernel)?;
+        let o = OPermutation::new(geometry.head_dim).map_err(kernel)?;
+        Ok(Self { backend, geometry, format: config.format, shard, rule, q, o })
+    }
+
+    pub fn shard(&self) -> &RankShard {
+        &self.shard
+    }
+
+    pub fn identity(&self) -> LayoutIdentity {
+        LayoutIdentity::new(&self.geometry, &self.shard, self.format, self.rule)
+    }
+
+    /// Loads every layer (in parallel across layers).
+    pub fn load(&self, source: &LoadSource) -> Result<RankWeights<B>, LoadError>
+    where
+        B::Buffer: Send,
+    {
+        self.check_source(source)?;
+        let start = Instant::now();
+        let layers: Vec<LayerWeights<B>> = (0..self.geometry.layers)
+            .into_par_iter()
+            .map(|l| self.load_layer(source, l, LayerScratch::default()))
+            .collect::<Result<_, _>>()?;
+        Ok(self.assemble(source, layers, start.elapsed(), 1))
+    }
+
+    /// Replays the same pipeline into the existing buffers: every kernel buffer and scratch
+    /// buffer of `weights` is reused. On error the rank holds no weights (it never serves a
+    /// mix of versions); the error says which tensor failed.
+    pub fn reload(&self, weights: RankWeights<B>, source: &LoadSource) -> Result<RankWeights<B>, LoadError>
+    where
+        B::Buffer: Send,
+    {
+        self.check_source(source)?;
+        let start = Instant::now();
+        let generation = weights.generation + 1;
+        let layers: Vec<LayerWeights<B>> = weights
+            .layers
+            .into_par_iter()
+            .map(|old| {
+                let layer = old.layer;
+                self.load_layer(source, layer, old.into_scratch())
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(self.assemble(source, layers, start.elapsed(), generation))
+    }
+
+    fn check_source(&self, source: &LoadSource) -> Result<(), LoadError> {
+        let cfg = source.config();
+        if cfg.geometry != self.geometry || cfg.format != self.format {
+            return Err(LoadError::Config(format!(
+                "{} has geometry {:?} / {:?}, but this rank was planned for {:?} / {:?}",
+                source.describe(),
+                cfg.geometry,
+                cfg.format,
+                self.geometry,
+                self.format
+            )));
+        }
+        Ok(())
+    }
+
+    fn assemble(&self, source: &LoadSource, layers: Vec<LayerWeights<B>>, wall: Duration, generation: u64) -> RankWeights<B> {
+        let mut times = StageTimes::default();
+        for l in &layers {
+            times.add(&l.times);
+        }
+        RankWeights {
+            shard: self.shard.clone(),
+            identity: self.identity(),
+            layers,
+            load_format: source.format_name(),
+            source: source.describe(),
+            wall,
+            times,
+            generation,
+        }
+    }
+
+    /// The rows and columns of a checkpoint tensor this rank holds.
+    fn slice_of(&self, spec: &TensorSpec) -> (Range<usize>, Range<usize>) {
+        let g = &self.geometry;
+        let s = &self.shard;
+        let (rows, cols) = (spec.rows(), spec.cols());
+        let (bm, bk) = match (self.format, spec.part) {
+            (WeightFormat::Fp8 { block: [bm, bk] }, Part::Scale) => (bm, bk),
+            _ => (1, 1),
+        };
+        let div = |r: Range<usize>, d: usize| r.start / d..r.end / d;
+        match spec.param {
+            Param::WqB => (div(s.wq_b_rows(g), bm), 0..cols),
+            Param::WoA => (div(s.wo_a_rows(g), bm), 0..cols),
+            Param::WoB => (0..rows, div(s.wo_b_cols(g), bk)),
+            Param::AttnSink => (0..1, s.heads()),
+        }
+    }
+
+    /// Loads one layer through the pipeline, reusing `scratch`.
+    pub fn load_layer(&self, source: &LoadSource, layer: usize, mut scratch: LayerScratch<B>) -> Result<LayerWeights<B>, LoadError> {
+        let specs = layer_tensors(&self.geometry, self.format, layer);
+        let find = |param, part| specs.iter().find(|s| s.param == param && s.part == part);
+        let mut times = StageTimes::default();
+        let mut source_digests = Vec::with_capacity(specs.len());
+        let mut checkpoint_order = Vec::with_capacity(3);
+
+        let wq_b = {
+            let mx: Mx<B, WqB, CheckpointOrder> = self.read_matrix(source, Param::WqB, &find, &mut scratch, &mut source_digests, &mut times)?;
+            if self.format == WeightFormat::Bf16 {
+                checkpoint_order.push((Param::WqB, mx_digests(self.backend, &mx, layer, Param::WqB)?));
+            }
+            let t = Instant::now();
+            let name = checkpoint_name(layer, Param::WqB, Part::Weight);
+            let k = mx
+                .permute(self.backend, &self.q, &mut scratch.pool)
+                .and_then(|f| f.into_kernel(self.backend, &mut scratch.pool))
+                .map_err(|e| tensor_error(&name, None, e))?;
+            times.pipeline_s += t.elapsed().as_secs_f64();
+            k
+        };
+        let wo_a = {
+            let mx: Mx<B, WoA, CheckpointOrder> = self.read_matrix(source, Param::WoA, &find, &mut scratch, &mut source_digests, &mut times)?;
+            if self.format == WeightFormat::Bf16 {
+                checkpoint_order.push((Param::WoA, mx_digests(self.backend, &mx, layer, Param::WoA)?));
+            }
+            let t = Instant::now();
+            let name = checkpoint_name(layer, Param::WoA, Part::Weight);
+            let k = mx
+                .permute(self.backend, &self.o, &mut scratch.pool)
+                .and_then(|f| f.into_kernel(self.backend, self.shard.n_local_groups, &mut scratch.pool))
+                .map_err(|e| tensor_error(&name, None, e))?;
+            times.pipeline_s += t.elapsed().as_secs_f64();
+            k
+        };
+        let wo_b = {
+            let mx: Mx<B, WoB, CheckpointOrder> = self.read_matrix(source, Param::WoB, &find, &mut scratch, &mut source_digests, &mut times)?;
+            if self.format == WeightFormat::Bf16 {
+                checkpoint_order.push((Param::WoB, mx_digests(self.backend, &mx, layer, Param::WoB)?));
+            }
+            let t = Instant::now();
+            let name = checkpoint_name(layer, Param::WoB, Part::Weight);
+            let k = mx.into_kernel(self.backend, &mut scratch.pool).map_err(|e| tensor_error(&name, None, e))?;
+            times.pipeline_s += t.elapsed().as_secs_f64();
+            k
+        };
+        let attn_sink = {
+            let spec = find(Param::AttnSink, Part::Weight).expect("every layer has attn_sink");
+            let t = Instant::now();
+            let (rows, cols) = self.slice_of(spec);
+            let file = source.read(spec, rows, cols, &mut scratch.host_weight)?;
+            if let Some(at) = scratch.host_weight.chunks_exact(4).position(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()) {
+                return Err(tensor_error(&spec.name, file, KernelError::NonFinite { row: 0, col: self.shard.heads().start + at }));
+            }
+            source_digests.push(digest_of(spec, &scratch.host_weight, vec![self.shard.n_local_heads]));
+            let mut buf = scratch.pool.take(self.backend, scratch.host_weight.len());
+            self.backend.upload(&scratch.host_weight, &mut buf).map_err(|e| tensor_error(&spec.name, None, e))?;
+            times.read_s += t.elapsed().as_secs_f64();
+            buf
+        };
+
+        let t = Instant::now();
+        let mut kernel = Vec::with_capacity(7);
+        for (param, kt) in [(Param::WqB, &wq_b), (Param::WoA, &wo_a), (Param::WoB, &wo_b)] {
+            let wname = kernel_name(layer, param, Part::Weight);
+            let sname = kernel_name(layer, param, Part::Scale);
+            let wd = self.backend.digest(&kt.weight).map_err(|e| tensor_error(&wname, None, e))?;
+            let sd = self.backend.digest(&kt.scale).map_err(|e| tensor_error(&sname, None, e))?;
+            let (sdtype, sshape) = kt.scale_layout.dtype_and_shape();
+            kernel.push(TensorDigest {
+                name: wname,
+                dtype: "F8_E4M3".into(),
+                shape: kt.weight_shape.clone(),
+                bytes: self.backend.len(&kt.weight),
+                digest: wd,
+            });
+            kernel.push(TensorDigest { name: sname, dtype: sdtype.into(), shape: sshape, bytes: self.backend.len(&kt.scale), digest: sd });
+        }
+        let sink_name = kernel_name(layer, Param::AttnSink, Part::Weight);
+        kernel.push(TensorDigest {
+            name: sink_name.clone(),
+            dtype: "F32".into(),
+            shape: vec![self.shard.n_local_heads],
+            bytes: self.backend.len(&attn_sink),
+            digest: self.backend.digest(&attn_sink).map_err(|e| tensor_error(&sink_name, None, e))?,
+        });
+        times.digest_s += t.elapsed().as_secs_f64();
+
+        Ok(LayerWeights { layer, wq_b, wo_a, wo_b, attn_sink, source: source_digests, checkpoint_order, kernel, times, scratch })
+    }
+
+    /// Reads a matrix parameter's slice (weight and, for FP8, block scale), records source
+    /// digests, and builds its checkpoint-order MXFP8 form.
+    fn read_matrix<'s, P>(
+        &self,
+        source: &LoadSource,
+        param: Param,
+        find: &impl Fn(Param, Part) -> Option<&'s TensorSpec>,
+        scratch: &mut LayerScratch<B>,
+        digests: &mut Vec<TensorDigest>,
+        times: &mut StageTimes,
+    ) -> Result<Mx<B, P, CheckpointOrder>, LoadError> {
+        let t = Instant::now();
+        let wspec = find(param, Part::Weight).expect("every layer has the weight");
+        let (rows, cols) = self.slice_of(wspec);
+        let (n_rows, n_cols) = (rows.len(), cols.len());
+        let (row0, col0) = (rows.start, cols.start);
+        let wfile = source.read(wspec, rows, cols, &mut scratch.host_weight)?;
+        digests.push(digest_of(wspec, &scratch.host_weight, vec![n_rows, n_cols]));
+        let mut scale_ctx = None;
+        if let WeightFormat::Fp8 { .. } = self.format {
+            let sspec = find(param, Part::Scale).expect("FP8 layers have scales");
+            let (srows, scols) = self.slice_of(sspec);
+            let shape = vec![srows.len(), scols.len()];
+            let origin = (srows.start, scols.start);
+            let sfile = source.read(sspec, srows, scols, &mut scratch.host_scale)?;
+            digests.push(digest_of(sspec, &scratch.host_scale, shape));
+            scale_ctx = Some((sspec.name.clone(), sfile, origin));
+        }
+        times.read_s += t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let src = match self.format {
+            WeightFormat::Fp8 { block } => WeightSource::Fp8 { weight: &scratch.host_weight, block_scale: &scratch.host_scale, block },
+            WeightFormat::Bf16 => WeightSource::Bf16 { weight: &scratch.host_weight },
+        };
+        let mx = Mx::from_source(self.backend, src, n_rows, n_cols, self.rule, &mut scratch.pool).map_err(|e| match (e, &scale_ctx) {
+            (KernelError::NanScale { row, col }, Some((name, file, (r0, c0)))) => {
+                LoadError::Tensor { tensor: name.clone(), file: file.clone(), source: KernelError::NanScale { row: row + r0, col: col + c0 } }
+            }
+            (KernelError::NonFinite { row, col }, _) => tensor_error(&wspec.name, wfile.clone(), KernelError::NonFinite { row: row + row0, col: col + col0 }),
+            (other, _) => tensor_error(&wspec.name, wfile.clone(), other),
+        })?;
+        times.pipeline_s += t.elapsed().as_secs_f64();
+        Ok(mx)
+    }
+}
+
+fn tensor_error(tensor: &str, file: Option<PathBuf>, source: KernelError) -> LoadError {
+    LoadError::Tensor { tensor: tensor.to_string(), file, source }
+}
+
+fn digest_of(spec: &TensorSpec, bytes: &[u8], shape: Vec<usize>) -> TensorDigest {
+    TensorDigest { name: spec.name.clone(), dtype: dtype_name(spec.dtype), shape, bytes: bytes.len(), digest: Digest::of(bytes) }
+}
+
+fn mx_digests<B: Backend, P, S>(backend: &B, mx: &Mx<B, P, S>, layer: usize, param: Param) -> Result<(Digest, Digest), LoadError> {
+    mx.digests(backend).map_err(|e| tensor_error(&checkpoint_name(layer, param, Part::Weight), None, e))
+}

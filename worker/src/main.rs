@@ -1,0 +1,196 @@
+//! `orchestrator-worker`: one rank's loader.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use orchestrator_kernels::{CpuBackend, ScaleRule};
+use orchestrator_model::{Generator, ModelConfig, Preset, WeightFormat};
+use orchestrator_worker::bench::{self, BenchOptions};
+use orchestrator_worker::{load_and_report, LoadSource, RankReport};
+
+#[derive(Parser)]
+#[command(name = "orchestrator-worker", version, about = "Loads DeepSeek-V4.1 attention shards into mega-attention kernel layouts")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Load one rank (or every rank) of a TP group and report digests, layout identity and
+    /// the round-trip verdict.
+    Load(LoadArgs),
+    /// Pipeline throughput as a ratio to memcpy bandwidth measured in the same run.
+    Bench(BenchArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Device {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DummyDtype {
+    Fp8,
+    Bf16,
+}
+
+#[derive(Args)]
+struct LoadArgs {
+    /// Hugging Face checkpoint directory (config.json, index, shards).
+    #[arg(long, conflicts_with = "dummy", required_unless_present = "dummy")]
+    checkpoint: Option<PathBuf>,
+    /// Generate the weights instead (byte-identical to `orchestrator checkpoint synth` with the same seed).
+    #[arg(long)]
+    dummy: bool,
+    /// Generator seed for --dummy.
+    #[arg(long, default_value_t = 0, requires = "dummy")]
+    seed: u64,
+    /// Geometry for --dummy.
+    #[arg(long, default_value = "dsv41-flash", requires = "dummy")]
+    preset: String,
+    /// Layers for --dummy (default: the preset's).
+    #[arg(long, requires = "dummy")]
+    layers: Option<usize>,
+    /// Storage format for --dummy.
+    #[arg(long, value_enum, default_value = "fp8", requires = "dummy")]
+    dtype: DummyDtype,
+    /// Tensor-parallel size.
+    #[arg(long)]
+    tp: usize,
+    /// Load only this rank (default: every rank, one after another).
+    #[arg(long)]
+    rank: Option<usize>,
+    /// MXFP8 scale rule for quantizing BF16 weights.
+    #[arg(long, default_value = "rceil")]
+    scale_rule: ScaleRule,
+    /// Write OUT/rank{R}.safetensors with every kernel-visible tensor.
+    #[arg(long, value_name = "OUT")]
+    dump: Option<PathBuf>,
+    /// Print one JSON document instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Print every tensor's digest in the text report.
+    #[arg(long, short)]
+    verbose: bool,
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[arg(long, default_value = "dsv41-flash")]
+    preset: String,
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    #[arg(long, default_value_t = 0)]
+    rank: usize,
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
+    /// Where the benchmark checkpoints are synthesized (kept for later runs).
+    #[arg(long, default_value = "target/bench-ckpt")]
+    dir: PathBuf,
+    #[arg(long)]
+    json: bool,
+}
+
+fn source_of(args: &LoadArgs) -> anyhow::Result<LoadSource> {
+    if let Some(dir) = &args.checkpoint {
+        return LoadSource::open_checkpoint(dir).with_context(|| format!("opening checkpoint {}", dir.display()));
+    }
+    let preset: Preset = args.preset.parse()?;
+    let mut geometry = preset.geometry();
+    if let Some(l) = args.layers {
+        geometry.layers = l;
+    }
+    let format = match args.dtype {
+        DummyDtype::Fp8 => WeightFormat::Fp8 { block: preset.fp8_block() },
+        DummyDtype::Bf16 => WeightFormat::Bf16,
+    };
+    let block = match format {
+        WeightFormat::Fp8 { block } => Some(block),
+        WeightFormat::Bf16 => None,
+    };
+    geometry.validate(block)?;
+    Ok(LoadSource::Dummy { config: ModelConfig { family: preset.family(), geometry, format }, generator: Generator::new(args.seed) })
+}
+
+fn check_device(device: Device) -> anyhow::Result<()> {
+    match device {
+        Device::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => {
+            orchestrator_kernels::cuda::CudaLibraries::probe().require_all()?;
+            bail!("--device cuda: the CUDA libraries are present, but this build's CUDA backend is not implemented yet (use --device cpu)")
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => bail!("--device cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)"),
+    }
+}
+
+fn load(args: LoadArgs) -> anyhow::Result<bool> {
+    check_device(args.device)?;
+    let source = source_of(&args)?;
+    let geometry = &source.config().geometry;
+    orchestrator_model::plan::validate_tp(geometry, args.tp)?;
+    let ranks: Vec<usize> = match args.rank {
+        Some(r) => vec![r],
+        None => (0..args.tp).collect(),
+    };
+    let backend = CpuBackend;
+    let mut reports: Vec<RankReport> = Vec::new();
+    for r in ranks {
+        let report = load_and_report(&backend, &source, args.tp, r, args.scale_rule, args.dump.as_deref())
+            .with_context(|| format!("rank {r} of TP {}", args.tp))?;
+        if !args.json {
+            print!("{}", report.render(args.verbose));
+        }
+        reports.push(report);
+    }
+    let ok = reports.iter().all(RankReport::ok);
+    if args.json {
+        let doc = serde_json::json!({ "ok": ok, "tp_size": args.tp, "ranks": reports });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        println!("{}", if ok { "all ranks: round trip ok" } else { "FAILED: a round trip did not reproduce the checkpoint" });
+    }
+    Ok(ok)
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Load(args) => load(args),
+        Command::Bench(args) => (|| {
+            let opts = BenchOptions {
+                preset: args.preset.parse()?,
+                layers: args.layers,
+                tp_size: args.tp,
+                rank: args.rank,
+                iters: args.iters,
+                dir: args.dir.clone(),
+            };
+            let report = bench::run(&opts)?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.render(&opts));
+            }
+            Ok(true)
+        })(),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
