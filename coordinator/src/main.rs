@@ -1,1 +1,155 @@
-fn main(){}
+//! `orchestrator`: the coordinator CLI. This milestone: synthesizing and inspecting
+//! checkpoints.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use orchestrator_model::inspect::inspect;
+use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
+use orchestrator_model::{Checkpoint, ModelConfig, Preset, WeightFormat};
+
+#[derive(Parser)]
+#[command(
+    name = "orchestrator",
+    version,
+    about = "Loads DeepSeek-V4.1 mega-attention weights across ranks and proves every rank holds what its kernels expect"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Checkpoint tools.
+    #[command(subcommand)]
+    Checkpoint(CheckpointCommand),
+}
+
+#[derive(Subcommand)]
+enum CheckpointCommand {
+    /// Write a synthetic Hugging Face checkpoint (config.json, index, safetensors shards).
+    Synth(SynthArgs),
+    /// Print geometry, tensors and sizes, and validate every in-scope tensor.
+    Inspect(InspectArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Dtype {
+    Fp8,
+    Bf16,
+}
+
+#[derive(Args)]
+struct SynthArgs {
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value = "dsv41-flash")]
+    preset: String,
+    /// Number of layers (default: the preset's).
+    #[arg(long)]
+    layers: Option<usize>,
+    #[arg(long, value_enum, default_value = "fp8")]
+    dtype: Dtype,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Largest shard file in bytes.
+    #[arg(long, default_value_t = DEFAULT_MAX_SHARD_BYTES)]
+    max_shard_bytes: usize,
+}
+
+#[derive(Args)]
+struct InspectArgs {
+    dir: PathBuf,
+    #[arg(long)]
+    json: bool,
+}
+
+fn synth(a: SynthArgs) -> anyhow::Result<bool> {
+    let preset: Preset = a.preset.parse()?;
+    let mut geometry = preset.geometry();
+    if let Some(l) = a.layers {
+        geometry.layers = l;
+    }
+    let format = match a.dtype {
+        Dtype::Fp8 => WeightFormat::Fp8 { block: preset.fp8_block() },
+        Dtype::Bf16 => WeightFormat::Bf16,
+    };
+    let opts = SynthOptions {
+        config: ModelConfig { family: preset.family(), geometry, format },
+        seed: a.seed,
+        max_shard_bytes: a.max_shard_bytes,
+        preset_name: Some(preset.name().to_string()),
+    };
+    let t = std::time::Instant::now();
+    let s = write_checkpoint(&a.out, &opts).with_context(|| format!("synthesizing into {}", a.out.display()))?;
+    println!(
+        "wrote {} ({} {} layers, {}, seed {}): {} tensors, {:.1} MB in {} shard file(s), {:.2} s",
+        s.dir.display(),
+        preset.name(),
+        opts.config.geometry.layers,
+        format.name(),
+        a.seed,
+        s.tensors,
+        s.total_bytes as f64 / 1e6,
+        s.shards.len(),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(true)
+}
+
+fn inspect_cmd(a: InspectArgs) -> anyhow::Result<bool> {
+    let ck = Checkpoint::open(&a.dir)?;
+    let r = inspect(&ck);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(r.valid);
+    }
+    let g = &r.geometry;
+    println!("checkpoint {}", r.dir);
+    println!(
+        "  family {}  hidden {}  layers {}  heads {} (kv {})  head_dim {}  rope {}  q_lora {}  o_lora {}  o_groups {}",
+        r.family, g.hidden, g.layers, g.heads, g.kv_heads, g.head_dim, g.rope_dim, g.q_lora_rank, g.o_lora_rank, g.o_groups
+    );
+    println!("  weights: {}  valid TP sizes: {:?}", r.format, r.valid_tp_sizes);
+    println!("  {} in-scope tensors, {:.1} MB; {} other tensors ignored", r.tensors.len(), r.in_scope_bytes as f64 / 1e6, r.other_tensors);
+    for t in &r.tensors {
+        println!(
+            "  {:<34} {:<8} {:<14} {:>12}  {:<36} {}",
+            t.name,
+            t.dtype,
+            format!("{:?}", t.shape),
+            t.bytes,
+            t.file.as_deref().unwrap_or("-"),
+            t.status
+        );
+    }
+    if r.valid {
+        println!("valid");
+    } else {
+        println!("INVALID: {} problem(s)", r.problems.len());
+        for p in &r.problems {
+            println!("  {p}");
+        }
+    }
+    Ok(r.valid)
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Checkpoint(CheckpointCommand::Synth(a)) => synth(a),
+        Command::Checkpoint(CheckpointCommand::Inspect(a)) => inspect_cmd(a),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -7,7 +7,7 @@
 use crate::digest::Digest;
 use crate::mxfp8::{self, ScaleRule};
 use crate::permutation::{self, Permutation};
-use crate::{layout, KernelError};
+use crate::{KernelError, layout};
 
 /// Operations the load pipeline needs, on buffers the backend owns.
 pub trait Backend {
@@ -154,25 +154,14 @@ impl Backend for CpuBackend {
 /// Expands a block scale `[rows/bm, k/bk]` to per-row MXFP8 scales `[rows, k/32]`
 /// (spec section 3: each 32x32 scale row repeated 32 times; a 128x128 block also covers four
 /// 32-column blocks).
-pub fn expand_block_scales(
-    block_scale: &[u8],
-    rows: usize,
-    k: usize,
-    block: [usize; 2],
-    dst: &mut Vec<u8>,
-) -> Result<(), KernelError> {
+pub fn expand_block_scales(block_scale: &[u8], rows: usize, k: usize, block: [usize; 2], dst: &mut Vec<u8>) -> Result<(), KernelError> {
     let [bm, bk] = block;
-    if bm == 0 || bk == 0 || bk % mxfp8::BLOCK != 0 || rows % bm != 0 || k % bk != 0 {
-        return Err(KernelError::Shape(format!(
-            "cannot expand {bm}x{bk} block scales over [{rows}, {k}]"
-        )));
+    if bm == 0 || bk == 0 || bk % mxfp8::BLOCK != 0 || !rows.is_multiple_of(bm) || !k.is_multiple_of(bk) {
+        return Err(KernelError::Shape(format!("cannot expand {bm}x{bk} block scales over [{rows}, {k}]")));
     }
     let (block_rows, block_cols) = (rows / bm, k / bk);
     if block_scale.len() != block_rows * block_cols {
-        return Err(KernelError::Shape(format!(
-            "block scale has {} bytes, expected [{block_rows}, {block_cols}]",
-            block_scale.len()
-        )));
+        return Err(KernelError::Shape(format!("block scale has {} bytes, expected [{block_rows}, {block_cols}]", block_scale.len())));
     }
     let c = k / mxfp8::BLOCK;
     let per_block = bk / mxfp8::BLOCK;
@@ -210,9 +199,7 @@ impl<B: Backend> BufferPool<B> {
             .filter(|(_, b)| backend.capacity(b) >= bytes)
             .min_by_key(|(_, b)| backend.capacity(b))
             .map(|(i, _)| i);
-        let pick = fitting.or_else(|| {
-            self.free.iter().enumerate().max_by_key(|(_, b)| backend.capacity(b)).map(|(i, _)| i)
-        });
+        let pick = fitting.or_else(|| self.free.iter().enumerate().max_by_key(|(_, b)| backend.capacity(b)).map(|(i, _)| i));
         match pick {
             Some(i) => self.free.swap_remove(i),
             None => backend.empty(),
@@ -225,6 +212,11 @@ impl<B: Backend> BufferPool<B> {
 
     pub fn len(&self) -> usize {
         self.free.len()
+    }
+
+    /// Allocation identities of the free buffers.
+    pub fn allocation_ids(&self, backend: &B) -> Vec<usize> {
+        self.free.iter().map(|b| backend.allocation_id(b)).collect()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -38,10 +38,7 @@ impl CudaLibraries {
         if missing.is_empty() {
             Ok(())
         } else {
-            Err(KernelError::Device(format!(
-                "CUDA is not usable on this machine: cannot load {}",
-                missing.join(", ")
-            )))
+            Err(KernelError::Device(format!("CUDA is not usable on this machine: cannot load {}", missing.join(", "))))
         }
     }
 }

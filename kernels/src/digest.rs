@@ -2,7 +2,7 @@
 //! hex digits; a rank digest is XXH3-64 of the lines `"{name} {hex}\n"` sorted by name.
 
 use std::fmt;
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 /// An XXH3-64 digest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -139,10 +139,7 @@ mod tests {
         let mut x = 0.0f32;
         while x < 500.0 {
             let got = to_f32(from_f32_saturating(x));
-            let best = finite
-                .iter()
-                .map(|v| (v - x.min(448.0)).abs())
-                .fold(f32::INFINITY, f32::min);
+            let best = finite.iter().map(|v| (v - x.min(448.0)).abs()).fold(f32::INFINITY, f32::min);
             assert!((got - x.min(448.0)).abs() <= best, "x = {x}: got {got}");
             x += 0.013;
         }

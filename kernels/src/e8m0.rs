@@ -18,11 +18,7 @@ pub fn to_f32(byte: u8) -> f32 {
 #[inline]
 pub fn pow2(e: i32) -> f32 {
     debug_assert!((-149..=127).contains(&e));
-    if e >= -126 {
-        f32::from_bits(((e + 127) as u32) << 23)
-    } else {
-        f32::from_bits(1u32 << (e + 149))
-    }
+    if e >= -126 { f32::from_bits(((e + 127) as u32) << 23) } else { f32::from_bits(1u32 << (e + 149)) }
 }
 
 /// Position of the first NaN scale byte, if any.

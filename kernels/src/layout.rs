@@ -57,10 +57,7 @@ pub fn unswizzle_128x4(swizzled: &[u8], m: usize, c: usize, dst: &mut Vec<u8>) -
     }
     let nonzero = swizzled.iter().filter(|&&b| b != 0).count();
     if nonzero != covered {
-        return Err(KernelError::Layout(format!(
-            "swizzled [{m}, {c}] scale has {} non-zero padding bytes",
-            nonzero - covered
-        )));
+        return Err(KernelError::Layout(format!("swizzled [{m}, {c}] scale has {} non-zero padding bytes", nonzero - covered)));
     }
     Ok(())
 }
@@ -69,17 +66,9 @@ pub fn unswizzle_128x4(swizzled: &[u8], m: usize, c: usize, dst: &mut Vec<u8>) -
 /// DeepGEMM's MN-major packed UE8M0: int32 `[groups, rows, c/4]` holding 4 consecutive scale
 /// bytes along K little-endian, with stride 1 along rows, i.e. storage order
 /// `[group][k4][row]` = `scale.reshape(g, rows, c/4, 4).transpose(0, 2, 1, 3)`.
-pub fn pack_ue8m0_mn_major(
-    scale: &[u8],
-    groups: usize,
-    rows: usize,
-    c: usize,
-    dst: &mut Vec<u8>,
-) -> Result<(), KernelError> {
-    if c % 4 != 0 || rows % 4 != 0 {
-        return Err(KernelError::Shape(format!(
-            "packed UE8M0 needs scale columns ({c}) and rows ({rows}) that are multiples of 4"
-        )));
+pub fn pack_ue8m0_mn_major(scale: &[u8], groups: usize, rows: usize, c: usize, dst: &mut Vec<u8>) -> Result<(), KernelError> {
+    if !c.is_multiple_of(4) || !rows.is_multiple_of(4) {
+        return Err(KernelError::Shape(format!("packed UE8M0 needs scale columns ({c}) and rows ({rows}) that are multiples of 4")));
     }
     check_len("scale to pack", scale.len(), groups * rows * c)?;
     let k4 = c / 4;
@@ -98,15 +87,9 @@ pub fn pack_ue8m0_mn_major(
 }
 
 /// Inverse of [`pack_ue8m0_mn_major`].
-pub fn unpack_ue8m0_mn_major(
-    packed: &[u8],
-    groups: usize,
-    rows: usize,
-    c: usize,
-    dst: &mut Vec<u8>,
-) -> Result<(), KernelError> {
+pub fn unpack_ue8m0_mn_major(packed: &[u8], groups: usize, rows: usize, c: usize, dst: &mut Vec<u8>) -> Result<(), KernelError> {
     check_len("packed scale", packed.len(), groups * rows * c)?;
-    if c % 4 != 0 {
+    if !c.is_multiple_of(4) {
         return Err(KernelError::Shape(format!("packed UE8M0 needs columns ({c}) a multiple of 4")));
     }
     let k4 = c / 4;

@@ -2,7 +2,7 @@
 //! E4M3fn elements with round-to-nearest-even and saturation. Both scale rules, computed
 //! exactly from the f32 bit patterns (never with a floating-point `log2`).
 
-use crate::{e4m3, e8m0, KernelError};
+use crate::{KernelError, e4m3, e8m0};
 
 /// Elements per scale block along K.
 pub const BLOCK: usize = 32;
@@ -59,11 +59,7 @@ fn binary_exponent(bits: u32) -> i32 {
 /// True when a positive finite f32 is an exact power of two.
 #[inline]
 fn is_power_of_two(bits: u32) -> bool {
-    if bits >> 23 != 0 {
-        bits & 0x7F_FFFF == 0
-    } else {
-        (bits & 0x7F_FFFF).is_power_of_two()
-    }
+    if bits >> 23 != 0 { bits & 0x7F_FFFF == 0 } else { (bits & 0x7F_FFFF).is_power_of_two() }
 }
 
 /// The scale exponent of a block whose largest magnitude is `amax` (finite, > 0), clamped to
@@ -121,23 +117,15 @@ pub fn quantize_bf16_rows(
     elements: &mut Vec<u8>,
     scales: &mut Vec<u8>,
 ) -> Result<(), KernelError> {
-    if k % BLOCK != 0 || bf16.len() != rows * k * 2 {
-        return Err(KernelError::Shape(format!(
-            "BF16 matrix of {} bytes is not [{rows}, {k}] with K a multiple of {BLOCK}",
-            bf16.len()
-        )));
+    if !k.is_multiple_of(BLOCK) || bf16.len() != rows * k * 2 {
+        return Err(KernelError::Shape(format!("BF16 matrix of {} bytes is not [{rows}, {k}] with K a multiple of {BLOCK}", bf16.len())));
     }
     elements.clear();
     elements.resize(rows * k, 0);
     scales.clear();
     scales.resize(rows * (k / BLOCK), 0);
     let mut block = [0f32; BLOCK];
-    for (b, ((src, dst), scale)) in bf16
-        .chunks_exact(BLOCK * 2)
-        .zip(elements.chunks_exact_mut(BLOCK))
-        .zip(scales.iter_mut())
-        .enumerate()
-    {
+    for (b, ((src, dst), scale)) in bf16.chunks_exact(BLOCK * 2).zip(elements.chunks_exact_mut(BLOCK)).zip(scales.iter_mut()).enumerate() {
         let mut amax = 0u32;
         for (slot, pair) in block.iter_mut().zip(src.chunks_exact(2)) {
             let bits = (u16::from_le_bytes([pair[0], pair[1]]) as u32) << 16;
@@ -161,7 +149,7 @@ pub fn quantize_f32_rows(
     elements: &mut Vec<u8>,
     scales: &mut Vec<u8>,
 ) -> Result<(), KernelError> {
-    if k % BLOCK != 0 || values.len() % k != 0 {
+    if !k.is_multiple_of(BLOCK) || !values.len().is_multiple_of(k) {
         return Err(KernelError::Shape(format!(
             "f32 matrix of {} values has no row length {k} that is a multiple of {BLOCK}",
             values.len()
@@ -173,12 +161,7 @@ pub fn quantize_f32_rows(
     elements.clear();
     elements.resize(values.len(), 0);
     scales.clear();
-    scales.extend(
-        values
-            .chunks_exact(BLOCK)
-            .zip(elements.chunks_exact_mut(BLOCK))
-            .map(|(src, dst)| quantize_block(src, rule, dst)),
-    );
+    scales.extend(values.chunks_exact(BLOCK).zip(elements.chunks_exact_mut(BLOCK)).map(|(src, dst)| quantize_block(src, rule, dst)));
     Ok(())
 }
 
@@ -202,7 +185,8 @@ mod tests {
     #[test]
     fn spec_quantization_table() {
         let tricky = 448.0 * 2f32.powi(-18) * (1.0 + 2f32.powi(-20));
-        let rows: [(f32, (u8, f32), (u8, f32)); 7] = [
+        type Expect = (u8, f32);
+        let rows: [(f32, Expect, Expect); 7] = [
             (300.0, (127, 288.0), (127, 288.0)),
             (448.0, (127, 448.0), (127, 448.0)),
             (460.0, (128, 224.0), (127, 448.0)),

@@ -54,9 +54,9 @@ use std::marker::PhantomData;
 
 use crate::backend::{Backend, BufferPool};
 use crate::digest::Digest;
-use crate::mxfp8::{ScaleRule, BLOCK};
-use crate::permutation::{Permutation, O_CHUNK};
-use crate::{e4m3, e8m0, layout, KernelError};
+use crate::mxfp8::{BLOCK, ScaleRule};
+use crate::permutation::{O_CHUNK, Permutation};
+use crate::{KernelError, e4m3, e8m0, layout};
 
 /// Layout state: rows and columns in checkpoint order (scales already one per row).
 pub struct CheckpointOrder;
@@ -156,7 +156,6 @@ impl<B: Backend, P, S> Mx<B, P, S> {
         pool.give(self.weight);
         pool.give(self.scale);
     }
-
 }
 
 /// Builds a matrix in a given state; private, so only this module's transitions can.
@@ -183,7 +182,7 @@ impl<B: Backend, P> Mx<B, P, CheckpointOrder> {
         rule: ScaleRule,
         pool: &mut BufferPool<B>,
     ) -> Result<Self, KernelError> {
-        if k % BLOCK != 0 {
+        if !k.is_multiple_of(BLOCK) {
             return Err(KernelError::Shape(format!("K = {k} is not a multiple of {BLOCK}")));
         }
         let mut weight = pool.take(backend, rows * k);
@@ -232,7 +231,7 @@ impl<B: Backend, P> Mx<B, P, CheckpointOrder> {
         let [bm, bk] = block;
         let c = self.scale_cols();
         let per = bk / BLOCK;
-        if bm == 0 || per == 0 || self.rows % bm != 0 || c % per != 0 {
+        if bm == 0 || per == 0 || !self.rows.is_multiple_of(bm) || !c.is_multiple_of(per) {
             return Err(KernelError::Shape(format!("[{}, {}] has no {bm}x{bk} blocks", self.rows, self.k)));
         }
         let mut host = Vec::new();
@@ -300,7 +299,7 @@ impl<B: Backend> Mx<B, WoA, Fused> {
     /// The `wo_a` BMM hook: weight viewed `[groups, rows/groups, k]`, scales packed as
     /// DeepGEMM MN-major UE8M0 int32 `[groups, k/128, rows/groups]` (storage order).
     pub fn into_kernel(self, backend: &B, groups: usize, pool: &mut BufferPool<B>) -> Result<KernelTensor<B>, KernelError> {
-        if groups == 0 || self.rows % groups != 0 {
+        if groups == 0 || !self.rows.is_multiple_of(groups) {
             return Err(KernelError::Shape(format!("{} wo_a rows do not split into {groups} groups", self.rows)));
         }
         let per_group = self.rows / groups;
@@ -340,15 +339,17 @@ fn gather_rows<B: Backend>(
     if perm.len() != rows {
         pool.give(weight);
         pool.give(scale);
-        return Err(KernelError::Shape(format!(
-            "the Q permutation covers {} rows but the shard has {rows}",
-            perm.len()
-        )));
+        return Err(KernelError::Shape(format!("the Q permutation covers {} rows but the shard has {rows}", perm.len())));
     }
     let c = k / BLOCK;
-    permute_pair(backend, weight, scale, pool, |src, dst| backend.gather_runs(src, rows * k, k, perm, dst), |src, dst| {
-        backend.gather_runs(src, rows * c, c, perm, dst)
-    })
+    permute_pair(
+        backend,
+        weight,
+        scale,
+        pool,
+        |src, dst| backend.gather_runs(src, rows * k, k, perm, dst),
+        |src, dst| backend.gather_runs(src, rows * c, c, perm, dst),
+    )
     .map(|(w, s)| (w, s, rows, k))
 }
 
@@ -364,15 +365,17 @@ fn gather_columns<B: Backend>(
     if chunks.len() * O_CHUNK != k {
         pool.give(weight);
         pool.give(scale);
-        return Err(KernelError::Shape(format!(
-            "the O permutation covers {} columns but wo_a has {k}",
-            chunks.len() * O_CHUNK
-        )));
+        return Err(KernelError::Shape(format!("the O permutation covers {} columns but wo_a has {k}", chunks.len() * O_CHUNK)));
     }
     let c = k / BLOCK;
-    permute_pair(backend, weight, scale, pool, |src, dst| backend.gather_runs(src, k, O_CHUNK, chunks, dst), |src, dst| {
-        backend.gather_runs(src, c, 1, chunks, dst)
-    })
+    permute_pair(
+        backend,
+        weight,
+        scale,
+        pool,
+        |src, dst| backend.gather_runs(src, k, O_CHUNK, chunks, dst),
+        |src, dst| backend.gather_runs(src, c, 1, chunks, dst),
+    )
     .map(|(w, s)| (w, s, rows, k))
 }
 
@@ -417,12 +420,7 @@ fn linear_hook<B: Backend>(
         return Err(e);
     }
     pool.give(scale);
-    Ok(KernelTensor {
-        weight,
-        weight_shape: vec![rows, k],
-        scale: swizzled,
-        scale_layout: ScaleLayout::Swizzled128x4 { rows, cols: c },
-    })
+    Ok(KernelTensor { weight, weight_shape: vec![rows, k], scale: swizzled, scale_layout: ScaleLayout::Swizzled128x4 { rows, cols: c } })
 }
 
 /// How a kernel-visible scale is laid out.
@@ -500,10 +498,6 @@ impl<B: Backend> KernelTensor<B> {
     }
 
     fn expect_layout(&self, ok: bool, what: &str) -> Result<(), KernelError> {
-        if ok {
-            Ok(())
-        } else {
-            Err(KernelError::Layout(format!("{what} kernel tensor has scale layout {:?}", self.scale_layout)))
-        }
+        if ok { Ok(()) } else { Err(KernelError::Layout(format!("{what} kernel tensor has scale layout {:?}", self.scale_layout))) }
     }
 }

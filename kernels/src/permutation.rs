@@ -21,9 +21,9 @@ impl Permutation {
     pub fn from_map(map: Vec<u32>) -> Result<Self, KernelError> {
         let mut seen = vec![false; map.len()];
         for (f, &s) in map.iter().enumerate() {
-            let slot = seen.get_mut(s as usize).ok_or_else(|| {
-                KernelError::Shape(format!("permutation sends {f} to {s}, outside 0..{}", map.len()))
-            })?;
+            let slot = seen
+                .get_mut(s as usize)
+                .ok_or_else(|| KernelError::Shape(format!("permutation sends {f} to {s}, outside 0..{}", map.len())))?;
             if std::mem::replace(slot, true) {
                 return Err(KernelError::Shape(format!("permutation repeats index {s}")));
             }
@@ -34,7 +34,7 @@ impl Permutation {
     /// The Q permutation of `wq_b` rows for `n_local_heads` heads of `head_dim` dims:
     /// standard row `s = h*D + d` goes to fused row `f = (d/16)*(H*16) + h*16 + d%16`.
     pub fn q_rows(n_local_heads: usize, head_dim: usize) -> Result<Self, KernelError> {
-        if n_local_heads == 0 || head_dim % Q_CHUNK != 0 {
+        if n_local_heads == 0 || !head_dim.is_multiple_of(Q_CHUNK) {
             return Err(KernelError::Shape(format!(
                 "Q permutation needs heads > 0 and head_dim a multiple of {Q_CHUNK} (heads {n_local_heads}, head_dim {head_dim})"
             )));
@@ -54,10 +54,8 @@ impl Permutation {
     /// The O permutation of `wo_a` columns (one group of 8 heads):
     /// standard column `s = h*D + c*32 + j` goes to fused column `f = (c*8 + h)*32 + j`.
     pub fn o_columns(head_dim: usize) -> Result<Self, KernelError> {
-        if head_dim % O_CHUNK != 0 {
-            return Err(KernelError::Shape(format!(
-                "O permutation needs head_dim a multiple of {O_CHUNK} (got {head_dim})"
-            )));
+        if !head_dim.is_multiple_of(O_CHUNK) {
+            return Err(KernelError::Shape(format!("O permutation needs head_dim a multiple of {O_CHUNK} (got {head_dim})")));
         }
         let chunks = head_dim / O_CHUNK;
         let mut map = vec![0u32; HEADS_PER_GROUP * head_dim];
@@ -77,13 +75,13 @@ impl Permutation {
     /// of `chunk` fused positions reads one aligned run of standard positions (so the
     /// permutation moves whole blocks and block quantization commutes with it).
     pub fn of_chunks(&self, chunk: usize) -> Result<Self, KernelError> {
-        if chunk == 0 || self.map.len() % chunk != 0 {
+        if chunk == 0 || !self.map.len().is_multiple_of(chunk) {
             return Err(KernelError::Shape(format!("{} is not a multiple of chunk {chunk}", self.map.len())));
         }
         let mut map = Vec::with_capacity(self.map.len() / chunk);
         for run in self.map.chunks_exact(chunk) {
             let start = run[0] as usize;
-            let aligned = start % chunk == 0;
+            let aligned = start.is_multiple_of(chunk);
             let contiguous = run.iter().enumerate().all(|(i, &s)| s as usize == start + i);
             if !aligned || !contiguous {
                 return Err(KernelError::Shape(format!(
@@ -125,14 +123,8 @@ impl Permutation {
 /// Gathers runs of `run_bytes` bytes inside each row of `row_bytes` bytes:
 /// `dst[row][f] = src[row][perm[f]]` where indices count runs. A row gather is the case of one
 /// "row" spanning the whole buffer; a column gather has `row_bytes` = one matrix row.
-pub fn gather_runs(
-    src: &[u8],
-    row_bytes: usize,
-    run_bytes: usize,
-    perm: &Permutation,
-    dst: &mut Vec<u8>,
-) -> Result<(), KernelError> {
-    if run_bytes == 0 || row_bytes != perm.len() * run_bytes || src.len() % row_bytes.max(1) != 0 {
+pub fn gather_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm: &Permutation, dst: &mut Vec<u8>) -> Result<(), KernelError> {
+    if run_bytes == 0 || row_bytes != perm.len() * run_bytes || !src.len().is_multiple_of(row_bytes.max(1)) {
         return Err(KernelError::Shape(format!(
             "cannot gather {} runs of {run_bytes} bytes from rows of {row_bytes} bytes ({} bytes in all)",
             perm.len(),

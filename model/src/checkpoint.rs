@@ -13,9 +13,9 @@ use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{SafeTensorError, SafeTensors};
 use serde_json::Value;
 
+use crate::ModelError;
 use crate::config::ModelConfig;
 use crate::names::TensorSpec;
-use crate::ModelError;
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -98,53 +98,71 @@ fn diagnose(path: &Path, bytes: &[u8], err: SafeTensorError, wanted: &str) -> Mo
     }
 }
 
-/// Finds which tensor's offsets break the file: past the end of a file whose header is
-/// otherwise consistent is a truncation; anything else is a bad offset.
+/// Finds which tensor's offsets break the file. In order: a tensor whose byte range does not
+/// match its dtype and shape (or overflows); a tensor reaching past the data section (a
+/// truncation when the header is otherwise contiguous from 0, a bad offset otherwise); a gap or
+/// overlap between consecutive tensors.
 fn diagnose_offsets(path: &Path, bytes: &[u8], wanted: &str) -> Option<ModelError> {
-    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
-    let header: Value = serde_json::from_slice(bytes.get(8..8 + n)?).ok()?;
+    let n = usize::try_from(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?)).ok()?;
+    let header: Value = serde_json::from_slice(bytes.get(8..8usize.checked_add(n)?)?).ok()?;
     let data_len = bytes.len() - 8 - n;
-    let mut entries: Vec<(String, usize, usize, Option<usize>)> = Vec::new();
+    let bad = |tensor: &str, why: String| ModelError::BadOffsets { file: path.to_path_buf(), tensor: tensor.to_string(), why };
+    let mut entries: Vec<(String, usize, usize)> = Vec::new();
     for (name, v) in header.as_object()? {
         if name == "__metadata__" {
             continue;
         }
         let offs = v.get("data_offsets")?.as_array()?;
-        let (a, b) = (offs.first()?.as_u64()? as usize, offs.get(1)?.as_u64()? as usize);
+        let a = usize::try_from(offs.first()?.as_u64()?).ok()?;
+        let b = usize::try_from(offs.get(1)?.as_u64()?).ok()?;
         let dtype: Option<safetensors::Dtype> = serde_json::from_value(v.get("dtype")?.clone()).ok();
-        let numel: Option<usize> = v.get("shape")?.as_array()?.iter().map(|d| d.as_u64().map(|x| x as usize)).product();
-        let size = dtype.zip(numel).map(|(d, e)| e * d.bitsize() / 8);
-        entries.push((name.clone(), a, b, size));
+        let numel = v
+            .get("shape")?
+            .as_array()?
+            .iter()
+            .try_fold(1usize, |acc, d| d.as_u64().and_then(|x| usize::try_from(x).ok()).and_then(|x| acc.checked_mul(x)));
+        let size = match (dtype, numel) {
+            (Some(d), Some(e)) => e.checked_mul(d.bitsize()).map(|bits| bits / 8),
+            (Some(_), None) => return Some(bad(name, "its shape's element count overflows".to_string())),
+            (None, _) => None,
+        };
+        if b < a {
+            return Some(bad(name, format!("data_offsets [{a}, {b}) end before they start")));
+        }
+        match size {
+            Some(sz) if sz != b - a => {
+                return Some(bad(name, format!("data_offsets [{a}, {b}) hold {} bytes, its dtype and shape need {sz}", b - a)));
+            }
+            None if dtype.is_some() => return Some(bad(name, "its byte size overflows".to_string())),
+            _ => {}
+        }
+        entries.push((name.clone(), a, b));
     }
     entries.sort_by_key(|e| (e.1, e.2));
-    let mut expected_start = 0usize;
-    let mut consistent = true;
-    for (name, a, b, size) in &entries {
-        if *b < *a || *a != expected_start || size.is_some_and(|s| s != b - a) {
-            consistent = false;
-            if *b <= data_len || *b < *a {
-                return Some(ModelError::BadOffsets {
-                    file: path.to_path_buf(),
-                    tensor: name.clone(),
-                    why: format!("data_offsets [{a}, {b}) do not follow the previous tensor (ending at {expected_start}) or do not match its dtype and shape"),
-                });
-            }
-        }
-        expected_start = *b;
+    let contiguous = entries.iter().scan(0usize, |end, e| {
+        let ok = e.1 == *end;
+        *end = e.2;
+        Some(ok)
+    });
+    let header_consistent = contiguous.clone().all(|ok| ok);
+    if let Some(past) = entries.iter().filter(|e| e.2 > data_len).min_by_key(|e| e.1) {
+        // Past the end: a truncation if everything before it is contiguous, otherwise the
+        // tensor's offsets themselves are wrong.
+        let before_contiguous = entries.iter().zip(contiguous.clone()).take_while(|(e, _)| e.1 <= past.1).all(|(_, ok)| ok);
+        return Some(if header_consistent || (before_contiguous && past.2 == entries.iter().map(|e| e.2).max().unwrap_or(0)) {
+            ModelError::Truncated { file: path.to_path_buf(), tensor: past.0.clone(), needed: past.2, available: data_len }
+        } else {
+            bad(
+                &past.0,
+                format!(
+                    "data_offsets [{}, {}) lie outside the file's data section of {data_len} bytes (looking for `{wanted}`)",
+                    past.1, past.2
+                ),
+            )
+        });
     }
-    let past = entries.iter().find(|e| e.2 > data_len)?;
-    Some(if consistent {
-        ModelError::Truncated { file: path.to_path_buf(), tensor: past.0.clone(), needed: past.2, available: data_len }
-    } else {
-        ModelError::BadOffsets {
-            file: path.to_path_buf(),
-            tensor: past.0.clone(),
-            why: format!(
-                "data_offsets [{}, {}) lie outside the file's data section of {data_len} bytes (looking for `{wanted}`)",
-                past.1, past.2
-            ),
-        }
-    })
+    let (broken, _) = entries.iter().zip(contiguous).find(|(_, ok)| !ok)?;
+    Some(bad(&broken.0, format!("data_offsets [{}, {}) leave a gap or overlap with the previous tensor", broken.1, broken.2)))
 }
 
 impl Checkpoint {
@@ -206,10 +224,8 @@ impl Checkpoint {
     /// The stored bytes of a whole tensor after checking its dtype and shape against `spec`.
     pub fn tensor_bytes(&self, spec: &TensorSpec) -> Result<(Arc<Shard>, Range<usize>), ModelError> {
         let shard = self.shard_of(&spec.name)?;
-        let info = shard.info(&spec.name).ok_or_else(|| ModelError::MissingTensor {
-            tensor: spec.name.clone(),
-            index: shard.path.clone(),
-        })?;
+        let info =
+            shard.info(&spec.name).ok_or_else(|| ModelError::MissingTensor { tensor: spec.name.clone(), index: shard.path.clone() })?;
         if info.dtype != spec.dtype {
             return Err(ModelError::WrongDtype {
                 file: shard.path.clone(),

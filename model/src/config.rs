@@ -4,10 +4,10 @@
 
 use std::path::Path;
 
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value, json};
 
-use crate::geometry::{Family, Geometry, WeightFormat};
 use crate::ModelError;
+use crate::geometry::{Family, Geometry, WeightFormat};
 
 /// What a checkpoint's `config.json` says about attention.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -18,10 +18,7 @@ pub struct ModelConfig {
 }
 
 fn field(obj: &Map<String, Value>, name: &'static str, file: &Path) -> Result<usize, ModelError> {
-    let v = obj.get(name).ok_or_else(|| ModelError::Config {
-        file: file.to_path_buf(),
-        why: format!("missing field `{name}`"),
-    })?;
+    let v = obj.get(name).ok_or_else(|| ModelError::Config { file: file.to_path_buf(), why: format!("missing field `{name}`") })?;
     v.as_u64().map(|n| n as usize).ok_or_else(|| ModelError::Config {
         file: file.to_path_buf(),
         why: format!("field `{name}` is {v}, expected a non-negative integer"),
@@ -120,15 +117,15 @@ fn parse_quantization(q: &Map<String, Value>) -> Result<WeightFormat, String> {
         Some("fp8") => {}
         other => return Err(format!("quant_method {other:?} is not supported (expected \"fp8\")")),
     }
-    if let Some(fmt) = s("fmt") {
-        if fmt != "e4m3" {
-            return Err(format!("fmt \"{fmt}\" is not supported (expected \"e4m3\")"));
-        }
+    if let Some(fmt) = s("fmt")
+        && fmt != "e4m3"
+    {
+        return Err(format!("fmt \"{fmt}\" is not supported (expected \"e4m3\")"));
     }
-    if let Some(sf) = s("scale_fmt") {
-        if sf != "ue8m0" {
-            return Err(format!("scale_fmt \"{sf}\" is not supported (expected \"ue8m0\")"));
-        }
+    if let Some(sf) = s("scale_fmt")
+        && sf != "ue8m0"
+    {
+        return Err(format!("scale_fmt \"{sf}\" is not supported (expected \"ue8m0\")"));
     }
     let block = q
         .get("weight_block_size")

@@ -13,8 +13,8 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use std::sync::OnceLock;
 
-use orchestrator_kernels::e4m3;
 use crate::names::{Part, TensorSpec};
+use orchestrator_kernels::e4m3;
 
 /// E4M3 bytes of the triangular distribution: the sum `s` of two uniform bytes maps to
 /// `(s - 255) * 448 / 255`, rounded to E4M3 (never NaN).

@@ -151,13 +151,18 @@ impl Geometry {
         if self.kv_heads != 1 {
             return bad("num_key_value_heads", format!("is {}, DeepSeek-V4 attention is MQA (1)", self.kv_heads));
         }
-        if self.o_groups == 0 || self.heads == 0 || self.heads % self.o_groups != 0 {
+        if self.o_groups == 0 || self.heads == 0 || !self.heads.is_multiple_of(self.o_groups) {
             return bad("o_groups", format!("{} groups do not divide {} heads", self.o_groups, self.heads));
         }
         if self.heads_per_group() != HEADS_PER_GROUP {
             return bad(
                 "o_groups",
-                format!("{} heads / {} groups = {} heads per group; mega attention needs {HEADS_PER_GROUP}", self.heads, self.o_groups, self.heads_per_group()),
+                format!(
+                    "{} heads / {} groups = {} heads per group; mega attention needs {HEADS_PER_GROUP}",
+                    self.heads,
+                    self.o_groups,
+                    self.heads_per_group()
+                ),
             );
         }
         for (field, v) in [("hidden_size", self.hidden), ("q_lora_rank", self.q_lora_rank), ("o_lora_rank", self.o_lora_rank)] {
@@ -172,11 +177,9 @@ impl Geometry {
             if bm == 0 || bk == 0 || bm % 32 != 0 || bk % 32 != 0 {
                 return Err(ModelError::Quantization(format!("weight_block_size [{bm}, {bk}] must be multiples of 32")));
             }
-            for (what, rows, cols) in [
-                ("wq_b", self.q_rows(), self.q_lora_rank),
-                ("wo_a", self.o_rows(), self.o_cols()),
-                ("wo_b", self.hidden, self.o_rows()),
-            ] {
+            for (what, rows, cols) in
+                [("wq_b", self.q_rows(), self.q_lora_rank), ("wo_a", self.o_rows(), self.o_cols()), ("wo_b", self.hidden, self.o_rows())]
+            {
                 if rows % bm != 0 || cols % bk != 0 {
                     return Err(ModelError::Quantization(format!(
                         "{what} [{rows}, {cols}] is not tiled by weight_block_size [{bm}, {bk}]"

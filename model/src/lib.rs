@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod generator;
 pub mod geometry;
+pub mod inspect;
 pub mod names;
 pub mod plan;
 pub mod synth;

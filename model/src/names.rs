@@ -86,20 +86,10 @@ impl TensorSpec {
 
 /// The in-scope tensors of one layer, in a fixed order.
 pub fn layer_tensors(g: &Geometry, format: WeightFormat, layer: usize) -> Vec<TensorSpec> {
-    let spec = |param, part, dtype, shape: Vec<usize>| TensorSpec {
-        name: checkpoint_name(layer, param, part),
-        layer,
-        param,
-        part,
-        dtype,
-        shape,
-    };
+    let spec =
+        |param, part, dtype, shape: Vec<usize>| TensorSpec { name: checkpoint_name(layer, param, part), layer, param, part, dtype, shape };
     let mut out = Vec::with_capacity(7);
-    let matrices = [
-        (Param::WqB, g.q_rows(), g.q_lora_rank),
-        (Param::WoA, g.o_rows(), g.o_cols()),
-        (Param::WoB, g.hidden, g.o_rows()),
-    ];
+    let matrices = [(Param::WqB, g.q_rows(), g.q_lora_rank), (Param::WoA, g.o_rows(), g.o_cols()), (Param::WoB, g.hidden, g.o_rows())];
     for (param, rows, cols) in matrices {
         match format {
             WeightFormat::Fp8 { block: [bm, bk] } => {

@@ -5,8 +5,8 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use crate::geometry::{Geometry, HEADS_PER_GROUP};
 use crate::ModelError;
+use crate::geometry::{Geometry, HEADS_PER_GROUP};
 
 /// Checks that a TP size gives every rank whole heads and groups, with `n_local_heads % 8 == 0`
 /// and 8 heads per local group (mega attention's requirement).
@@ -15,11 +15,11 @@ pub fn validate_tp(geometry: &Geometry, tp: usize) -> Result<(), ModelError> {
     if tp == 0 {
         return err("TP size must be at least 1".to_string());
     }
-    if geometry.heads % tp != 0 {
+    if !geometry.heads.is_multiple_of(tp) {
         return err(format!("{tp} ranks do not split {} heads evenly", geometry.heads));
     }
     let local_heads = geometry.heads / tp;
-    if local_heads % HEADS_PER_GROUP != 0 {
+    if !local_heads.is_multiple_of(HEADS_PER_GROUP) {
         return err(format!(
             "TP {tp} leaves {local_heads} heads per rank; mega attention needs {HEADS_PER_GROUP} per group \
              (valid TP sizes for {} heads: {})",
@@ -27,7 +27,7 @@ pub fn validate_tp(geometry: &Geometry, tp: usize) -> Result<(), ModelError> {
             valid_tp_sizes(geometry).iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", ")
         ));
     }
-    if geometry.o_groups % tp != 0 {
+    if !geometry.o_groups.is_multiple_of(tp) {
         return err(format!("{tp} ranks do not split {} o_groups evenly", geometry.o_groups));
     }
     let local_groups = geometry.o_groups / tp;
@@ -43,9 +43,9 @@ pub fn validate_tp(geometry: &Geometry, tp: usize) -> Result<(), ModelError> {
 pub fn valid_tp_sizes(geometry: &Geometry) -> Vec<usize> {
     (1..=geometry.heads)
         .filter(|&t| {
-            geometry.heads % t == 0
-                && (geometry.heads / t) % HEADS_PER_GROUP == 0
-                && geometry.o_groups % t == 0
+            geometry.heads.is_multiple_of(t)
+                && (geometry.heads / t).is_multiple_of(HEADS_PER_GROUP)
+                && geometry.o_groups.is_multiple_of(t)
                 && (geometry.heads / t) / (geometry.o_groups / t) == HEADS_PER_GROUP
         })
         .collect()
@@ -66,12 +66,7 @@ impl RankShard {
         if rank >= tp_size {
             return Err(ModelError::TpSize { tp: tp_size, why: format!("rank {rank} is outside 0..{tp_size}") });
         }
-        Ok(Self {
-            tp_size,
-            rank,
-            n_local_heads: geometry.heads / tp_size,
-            n_local_groups: geometry.o_groups / tp_size,
-        })
+        Ok(Self { tp_size, rank, n_local_heads: geometry.heads / tp_size, n_local_groups: geometry.o_groups / tp_size })
     }
 
     /// The rank's heads (also its `attn_sink` entries).

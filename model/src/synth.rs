@@ -7,15 +7,15 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::View;
 use safetensors::Dtype;
+use safetensors::tensor::View;
 use serde_json::json;
 
+use crate::ModelError;
 use crate::checkpoint::{CONFIG_FILE, INDEX_FILE};
 use crate::config::ModelConfig;
 use crate::generator::Generator;
-use crate::names::{checkpoint_tensors, TensorSpec};
-use crate::ModelError;
+use crate::names::{TensorSpec, checkpoint_tensors};
 
 /// Shard files stay below this size (Hugging Face's usual limit).
 pub const DEFAULT_MAX_SHARD_BYTES: usize = 2_000_000_000;
@@ -148,8 +148,8 @@ fn write_into(dir: &Path, opts: &SynthOptions) -> Result<SynthSummary, ModelErro
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::geometry::{Preset, WeightFormat};
     use crate::Checkpoint;
+    use crate::geometry::{Preset, WeightFormat};
 
     fn tiny_opts(format: WeightFormat, layers: usize, max_shard_bytes: usize) -> SynthOptions {
         let mut geometry = Preset::Tiny.geometry();

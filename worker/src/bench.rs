@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use orchestrator_kernels::{CpuBackend, ScaleRule};
-use orchestrator_model::synth::{write_checkpoint, SynthOptions, DEFAULT_MAX_SHARD_BYTES};
+use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
 use orchestrator_model::{ModelConfig, Preset, WeightFormat};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -87,10 +87,8 @@ fn synth(dir: &Path, preset: Preset, layers: usize, format: WeightFormat) -> any
 pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let (one, all) = memcpy_bandwidth(512 << 20, 5);
     let mut paths = Vec::new();
-    let cases = [
-        (WeightFormat::Fp8 { block: opts.preset.fp8_block() }, ScaleRule::Rceil, 0.5),
-        (WeightFormat::Bf16, ScaleRule::Rceil, 0.25),
-    ];
+    let cases =
+        [(WeightFormat::Fp8 { block: opts.preset.fp8_block() }, ScaleRule::Rceil, 0.5), (WeightFormat::Bf16, ScaleRule::Rceil, 0.25)];
     for (format, rule, goal) in cases {
         let dir = opts.dir.join(format!("{}-{}x{}", opts.preset.name(), format.name(), opts.layers));
         synth(&dir, opts.preset, opts.layers, format)?;

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use orchestrator_kernels::{Backend, KernelError};
 use orchestrator_model::names::kernel_name;
 use orchestrator_model::{Param, Part};
-use safetensors::tensor::TensorView;
 use safetensors::Dtype;
+use safetensors::tensor::TensorView;
 
 use crate::loader::RankWeights;
 

@@ -49,8 +49,21 @@ impl LayoutIdentity {
         let g = &self.geometry;
         format!(
             "layout_version={}\nhidden={}\nlayers={}\nheads={}\nkv_heads={}\nhead_dim={}\nrope_dim={}\nq_lora_rank={}\no_lora_rank={}\no_groups={}\ntp_size={}\nrank={}\nweight_format={}\nscale_rule={}\nkernel_dtypes={}\n",
-            self.layout_version, g.hidden, g.layers, g.heads, g.kv_heads, g.head_dim, g.rope_dim, g.q_lora_rank,
-            g.o_lora_rank, g.o_groups, self.tp_size, self.rank, self.weight_format, self.scale_rule, self.kernel_dtypes.join(",")
+            self.layout_version,
+            g.hidden,
+            g.layers,
+            g.heads,
+            g.kv_heads,
+            g.head_dim,
+            g.rope_dim,
+            g.q_lora_rank,
+            g.o_lora_rank,
+            g.o_groups,
+            self.tp_size,
+            self.rank,
+            self.weight_format,
+            self.scale_rule,
+            self.kernel_dtypes.join(",")
         )
     }
 }

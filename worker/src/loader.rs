@@ -125,6 +125,11 @@ impl<B: Backend> LayerWeights<B> {
         s
     }
 
+    /// Allocation identities of the scratch buffers kept for reloads.
+    pub fn scratch_allocation_ids(&self, backend: &B) -> Vec<usize> {
+        self.scratch.pool.allocation_ids(backend)
+    }
+
     /// Allocation identities of the kernel buffers (to show a reload reuses them).
     pub fn allocation_ids(&self, backend: &B) -> Vec<usize> {
         [&self.wq_b, &self.wo_a, &self.wo_b]
@@ -308,7 +313,8 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         let mut checkpoint_order = Vec::with_capacity(3);
 
         let wq_b = {
-            let mx: Mx<B, WqB, CheckpointOrder> = self.read_matrix(source, Param::WqB, &find, &mut scratch, &mut source_digests, &mut times)?;
+            let mx: Mx<B, WqB, CheckpointOrder> =
+                self.read_matrix(source, Param::WqB, &find, &mut scratch, &mut source_digests, &mut times)?;
             if self.format == WeightFormat::Bf16 {
                 checkpoint_order.push((Param::WqB, mx_digests(self.backend, &mx, layer, Param::WqB)?));
             }
@@ -322,7 +328,8 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             k
         };
         let wo_a = {
-            let mx: Mx<B, WoA, CheckpointOrder> = self.read_matrix(source, Param::WoA, &find, &mut scratch, &mut source_digests, &mut times)?;
+            let mx: Mx<B, WoA, CheckpointOrder> =
+                self.read_matrix(source, Param::WoA, &find, &mut scratch, &mut source_digests, &mut times)?;
             if self.format == WeightFormat::Bf16 {
                 checkpoint_order.push((Param::WoA, mx_digests(self.backend, &mx, layer, Param::WoA)?));
             }
@@ -336,7 +343,8 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             k
         };
         let wo_b = {
-            let mx: Mx<B, WoB, CheckpointOrder> = self.read_matrix(source, Param::WoB, &find, &mut scratch, &mut source_digests, &mut times)?;
+            let mx: Mx<B, WoB, CheckpointOrder> =
+                self.read_matrix(source, Param::WoB, &find, &mut scratch, &mut source_digests, &mut times)?;
             if self.format == WeightFormat::Bf16 {
                 checkpoint_order.push((Param::WoB, mx_digests(self.backend, &mx, layer, Param::WoB)?));
             }
@@ -427,10 +435,14 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             WeightFormat::Bf16 => WeightSource::Bf16 { weight: &scratch.host_weight },
         };
         let mx = Mx::from_source(self.backend, src, n_rows, n_cols, self.rule, &mut scratch.pool).map_err(|e| match (e, &scale_ctx) {
-            (KernelError::NanScale { row, col }, Some((name, file, (r0, c0)))) => {
-                LoadError::Tensor { tensor: name.clone(), file: file.clone(), source: KernelError::NanScale { row: row + r0, col: col + c0 } }
+            (KernelError::NanScale { row, col }, Some((name, file, (r0, c0)))) => LoadError::Tensor {
+                tensor: name.clone(),
+                file: file.clone(),
+                source: KernelError::NanScale { row: row + r0, col: col + c0 },
+            },
+            (KernelError::NonFinite { row, col }, _) => {
+                tensor_error(&wspec.name, wfile.clone(), KernelError::NonFinite { row: row + row0, col: col + col0 })
             }
-            (KernelError::NonFinite { row, col }, _) => tensor_error(&wspec.name, wfile.clone(), KernelError::NonFinite { row: row + row0, col: col + col0 }),
             (other, _) => tensor_error(&wspec.name, wfile.clone(), other),
         })?;
         times.pipeline_s += t.elapsed().as_secs_f64();

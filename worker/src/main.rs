@@ -3,12 +3,12 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Context};
+use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use orchestrator_kernels::{CpuBackend, ScaleRule};
 use orchestrator_model::{Generator, ModelConfig, Preset, WeightFormat};
 use orchestrator_worker::bench::{self, BenchOptions};
-use orchestrator_worker::{load_and_report, LoadSource, RankReport};
+use orchestrator_worker::{LoadSource, RankReport, load_and_report};
 
 #[derive(Parser)]
 #[command(name = "orchestrator-worker", version, about = "Loads DeepSeek-V4.1 attention shards into mega-attention kernel layouts")]

@@ -8,7 +8,7 @@ use orchestrator_kernels::Backend;
 use serde::Serialize;
 
 use crate::identity::LayoutIdentity;
-use crate::loader::{serialize_hex, RankWeights, StageTimes, TensorDigest};
+use crate::loader::{RankWeights, StageTimes, TensorDigest, serialize_hex};
 use crate::roundtrip::RoundTrip;
 use orchestrator_kernels::Digest;
 
@@ -91,8 +91,15 @@ impl RankReport {
         let _ = writeln!(
             s,
             "  layout identity {}  (layout v{}, {} heads x {} dims, q_lora {}, o_lora {}, {} layers, {}, scale rule {})",
-            id.digest, id.layout_version, id.geometry.heads, id.geometry.head_dim, id.geometry.q_lora_rank, id.geometry.o_lora_rank,
-            id.geometry.layers, id.weight_format, id.scale_rule
+            id.digest,
+            id.layout_version,
+            id.geometry.heads,
+            id.geometry.head_dim,
+            id.geometry.q_lora_rank,
+            id.geometry.o_lora_rank,
+            id.geometry.layers,
+            id.weight_format,
+            id.scale_rule
         );
         if verbose_tensors {
             for t in &self.kernel_tensors {

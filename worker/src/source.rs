@@ -44,7 +44,13 @@ impl LoadSource {
     }
 
     /// Copies rows x columns of a tensor into `out` (row-major); returns the file it came from.
-    pub fn read(&self, spec: &TensorSpec, rows: Range<usize>, cols: Range<usize>, out: &mut Vec<u8>) -> Result<Option<PathBuf>, ModelError> {
+    pub fn read(
+        &self,
+        spec: &TensorSpec,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        out: &mut Vec<u8>,
+    ) -> Result<Option<PathBuf>, ModelError> {
         match self {
             LoadSource::Safetensors(c) => c.read_slice(spec, rows, cols, out).map(Some),
             LoadSource::Dummy { generator, .. } => {
