@@ -26,6 +26,11 @@ pub trait Backend {
     fn allocation_id(&self, buf: &Self::Buffer) -> usize;
     /// Copies host bytes into `dst`, reusing its allocation when large enough.
     fn upload(&self, host: &[u8], dst: &mut Self::Buffer) -> Result<(), KernelError>;
+    /// Moves a host staging buffer's bytes into `dst`. `host` is left with unspecified
+    /// contents (the host backend swaps allocations instead of copying). The default copies.
+    fn upload_staged(&self, host: &mut Vec<u8>, dst: &mut Self::Buffer) -> Result<(), KernelError> {
+        self.upload(host, dst)
+    }
     /// Copies the buffer's bytes to host memory.
     fn download(&self, src: &Self::Buffer, dst: &mut Vec<u8>) -> Result<(), KernelError>;
     /// Digest of the buffer's bytes in storage order (computed on host bytes, so every backend
@@ -96,6 +101,10 @@ impl Backend for CpuBackend {
     fn upload(&self, host: &[u8], dst: &mut Vec<u8>) -> Result<(), KernelError> {
         dst.clear();
         dst.extend_from_slice(host);
+        Ok(())
+    }
+    fn upload_staged(&self, host: &mut Vec<u8>, dst: &mut Vec<u8>) -> Result<(), KernelError> {
+        std::mem::swap(host, dst);
         Ok(())
     }
     fn download(&self, src: &Vec<u8>, dst: &mut Vec<u8>) -> Result<(), KernelError> {

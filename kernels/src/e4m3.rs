@@ -12,6 +12,28 @@ pub const fn is_nan(byte: u8) -> bool {
     byte & 0x7F == 0x7F
 }
 
+/// Position of the first NaN byte (`0x7F` / `0xFF`), scanning eight bytes at a time: a byte's
+/// low seven bits are all ones exactly when adding 1 to them sets bit 7.
+pub fn find_nan(bytes: &[u8]) -> Option<usize> {
+    const LOW7: u64 = 0x7F7F_7F7F_7F7F_7F7F;
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let mut words = bytes.chunks_exact(64);
+    let mut base = 0;
+    for block in &mut words {
+        let mut hit = 0u64;
+        for w in block.chunks_exact(8) {
+            let w = u64::from_le_bytes(w.try_into().expect("8-byte chunk"));
+            hit |= ((w & LOW7) + ONES) & HIGH;
+        }
+        if hit != 0 {
+            return block.iter().position(|&b| is_nan(b)).map(|i| base + i);
+        }
+        base += 64;
+    }
+    words.remainder().iter().position(|&b| is_nan(b)).map(|i| base + i)
+}
+
 /// Decodes one E4M3fn byte exactly (NaN bytes decode to NaN).
 #[inline]
 pub fn to_f32(byte: u8) -> f32 {
@@ -101,6 +123,23 @@ mod tests {
         assert_eq!(to_f32(0xFE), -448.0);
         assert!(to_f32(0x7F).is_nan());
         assert!(to_f32(0xFF).is_nan());
+    }
+
+    #[test]
+    fn finds_nan_bytes_anywhere() {
+        for len in [0usize, 1, 7, 63, 64, 65, 200] {
+            let clean: Vec<u8> = (0..len).map(|i| (i % 127) as u8 & 0x7E).collect();
+            assert_eq!(find_nan(&clean), None);
+            for at in [0, len / 2, len.saturating_sub(1)] {
+                if at < len {
+                    for nan in [0x7Fu8, 0xFF] {
+                        let mut v = clean.clone();
+                        v[at] = nan;
+                        assert_eq!(find_nan(&v), Some(at), "len {len} at {at}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

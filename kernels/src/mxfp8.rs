@@ -106,9 +106,24 @@ fn non_finite_at(index: usize, k: usize) -> KernelError {
     KernelError::NonFinite { row: index / k, col: index % k }
 }
 
+/// E4M3 byte of every non-negative BF16 bit pattern (15 bits): the saturating RNE conversion,
+/// cached. Quantizing a normal BF16 value by a power-of-two scale only lowers its exponent
+/// field, so one lookup replaces the conversion.
+fn bf16_to_e4m3_table() -> &'static [u8; 1 << 15] {
+    static TABLE: std::sync::OnceLock<Box<[u8; 1 << 15]>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut t = Box::new([0u8; 1 << 15]);
+        for (bits, slot) in t.iter_mut().enumerate() {
+            *slot = e4m3::from_f32_saturating(f32::from_bits((bits as u32) << 16));
+        }
+        t
+    })
+}
+
 /// MXFP8-quantizes a row-major BF16 matrix `[rows, k]` (little-endian bytes) along K:
 /// `elements` gets `[rows, k]` E4M3 bytes, `scales` gets `[rows, k/32]` UE8M0 bytes.
-/// NaN or infinity is an error naming the row and column.
+/// NaN or infinity is an error naming the row and column. Bit-identical to
+/// [`quantize_f32_rows`] on the same values.
 pub fn quantize_bf16_rows(
     bf16: &[u8],
     rows: usize,
@@ -120,23 +135,45 @@ pub fn quantize_bf16_rows(
     if !k.is_multiple_of(BLOCK) || bf16.len() != rows * k * 2 {
         return Err(KernelError::Shape(format!("BF16 matrix of {} bytes is not [{rows}, {k}] with K a multiple of {BLOCK}", bf16.len())));
     }
+    let table = bf16_to_e4m3_table();
     elements.clear();
     elements.resize(rows * k, 0);
     scales.clear();
     scales.resize(rows * (k / BLOCK), 0);
-    let mut block = [0f32; BLOCK];
+    let mut block = [0u16; BLOCK];
     for (b, ((src, dst), scale)) in bf16.chunks_exact(BLOCK * 2).zip(elements.chunks_exact_mut(BLOCK)).zip(scales.iter_mut()).enumerate() {
-        let mut amax = 0u32;
+        let mut amax = 0u16;
         for (slot, pair) in block.iter_mut().zip(src.chunks_exact(2)) {
-            let bits = (u16::from_le_bytes([pair[0], pair[1]]) as u32) << 16;
-            amax = amax.max(bits & 0x7FFF_FFFF);
-            *slot = f32::from_bits(bits);
+            *slot = u16::from_le_bytes([pair[0], pair[1]]);
+            amax = amax.max(*slot & 0x7FFF);
         }
-        if amax >= 0x7F80_0000 {
-            let at = block.iter().position(|v| !v.is_finite()).unwrap_or(0);
+        if amax >= 0x7F80 {
+            let at = block.iter().position(|h| h & 0x7F80 == 0x7F80).unwrap_or(0);
             return Err(non_finite_at(b * BLOCK + at, k));
         }
-        *scale = quantize_block(&block, rule, dst);
+        if amax == 0 {
+            dst.fill(0);
+            *scale = 0;
+            continue;
+        }
+        let e = scale_exponent(f32::from_bits((amax as u32) << 16), rule);
+        let shift = e * 128; // the scale's exponent in BF16 exponent-field units
+        let inv = e8m0::pow2(-e);
+        for (o, &h) in dst.iter_mut().zip(&block) {
+            let sign = ((h >> 8) & 0x80) as u8;
+            let mag = h & 0x7FFF;
+            *o = if mag == 0 {
+                sign
+            } else if mag & 0x7F80 == 0 {
+                // A subnormal input has no implicit leading one: convert exactly.
+                e4m3::from_f32_saturating(f32::from_bits((h as u32) << 16) * inv)
+            } else {
+                let adjusted = mag as i32 - shift;
+                // At or below exponent 0 the scaled value is under 2^-126: it rounds to zero.
+                sign | if adjusted <= 0x7F { 0 } else { table[(adjusted as usize).min(0x7FFF)] }
+            };
+        }
+        *scale = (e + e8m0::BIAS) as u8;
     }
     Ok(())
 }
@@ -237,6 +274,37 @@ mod tests {
         let (mut e, mut s) = (Vec::new(), Vec::new());
         let err = quantize_bf16_rows(&bf16, 2, 64, ScaleRule::Rceil, &mut e, &mut s).unwrap_err();
         assert!(matches!(err, KernelError::NonFinite { row: 1, col: 33 }), "{err:?}");
+    }
+
+    /// The table path equals the exact f32 path on every kind of BF16 input: all binades,
+    /// subnormals, zeros of both signs, values that saturate under `floor`.
+    #[test]
+    fn bf16_table_path_matches_f32_path_on_random_bit_patterns() {
+        let mut z = 0x1234_5678_9ABC_DEF0u64;
+        for rule in [ScaleRule::Rceil, ScaleRule::Floor] {
+            for _ in 0..2000 {
+                let mut vals = Vec::with_capacity(64);
+                // Two blocks: a random exponent window per block, so scales vary widely.
+                for _ in 0..2 {
+                    z = z.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    let center = (z >> 33) % 256;
+                    for _ in 0..BLOCK {
+                        z = z.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        let r = z >> 24;
+                        let exp = (center as i64 + (r % 24) as i64 - 12).clamp(0, 254) as u16;
+                        let bits = (((r >> 8) & 1) as u16) << 15 | exp << 7 | ((r >> 9) & 0x7F) as u16;
+                        let bits = if r % 29 == 0 { bits & 0x8000 } else { bits };
+                        vals.push(bits);
+                    }
+                }
+                let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let floats: Vec<f32> = vals.iter().map(|&v| f32::from_bits((v as u32) << 16)).collect();
+                let (mut e1, mut s1, mut e2, mut s2) = (vec![], vec![], vec![], vec![]);
+                quantize_bf16_rows(&bytes, 1, 64, rule, &mut e1, &mut s1).unwrap();
+                quantize_f32_rows(&floats, 64, rule, &mut e2, &mut s2).unwrap();
+                assert_eq!((&e1, &s1), (&e2, &s2), "{rule} {vals:04x?}");
+            }
+        }
     }
 
     #[test]

@@ -70,13 +70,15 @@ pub struct WoA;
 /// `wo_b`: O output projection, never permuted.
 pub struct WoB;
 
-/// Where a parameter's checkpoint-order bytes come from (host memory, row-major).
-#[derive(Clone, Copy, Debug)]
+/// Where a parameter's checkpoint-order bytes come from: host staging buffers, row-major.
+/// The weight's staging buffer is moved into the backend (its contents are unspecified
+/// afterwards; the host backend swaps allocations instead of copying).
+#[derive(Debug)]
 pub enum WeightSource<'a> {
     /// E4M3 weight `[rows, k]` and its UE8M0 block scale `[rows/block[0], k/block[1]]`.
-    Fp8 { weight: &'a [u8], block_scale: &'a [u8], block: [usize; 2] },
+    Fp8 { weight: &'a mut Vec<u8>, block_scale: &'a [u8], block: [usize; 2] },
     /// BF16 weight `[rows, k]`, little-endian, quantized to MXFP8 on load.
-    Bf16 { weight: &'a [u8] },
+    Bf16 { weight: &'a mut Vec<u8> },
 }
 
 /// The Q row permutation of one rank's `wq_b` shard.
@@ -194,10 +196,10 @@ impl<B: Backend, P> Mx<B, P, CheckpointOrder> {
                     let cols = k / block[1].max(1);
                     return Err(KernelError::NanScale { row: at / cols.max(1), col: at % cols.max(1) });
                 }
-                if let Some(at) = w.iter().position(|&b| e4m3::is_nan(b)) {
+                if let Some(at) = e4m3::find_nan(w) {
                     return Err(KernelError::NonFinite { row: at / k, col: at % k });
                 }
-                backend.upload(w, &mut weight)?;
+                backend.upload_staged(w, &mut weight)?;
                 let mut staged = pool.take(backend, block_scale.len());
                 let r = backend
                     .upload(block_scale, &mut staged)
@@ -209,7 +211,7 @@ impl<B: Backend, P> Mx<B, P, CheckpointOrder> {
                 check_source_shape("BF16 weight", w.len(), rows * k * 2)?;
                 let mut staged = pool.take(backend, w.len());
                 let r = backend
-                    .upload(w, &mut staged)
+                    .upload_staged(w, &mut staged)
                     .and_then(|()| backend.quantize_bf16_rows(&staged, rows, k, rule, &mut weight, &mut scale));
                 pool.give(staged);
                 r

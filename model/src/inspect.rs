@@ -44,7 +44,7 @@ fn first_illegal(spec: &TensorSpec, bytes: &[u8]) -> Option<(usize, usize, &'sta
     let at = |i: usize| (i / cols, i % cols);
     match spec.dtype {
         Dtype::F8_E8M0 => e8m0::find_nan(bytes).map(|i| (at(i).0, at(i).1, "NaN scale byte 0xFF")),
-        Dtype::F8_E4M3 => bytes.iter().position(|&b| e4m3::is_nan(b)).map(|i| (at(i).0, at(i).1, "NaN E4M3 byte")),
+        Dtype::F8_E4M3 => e4m3::find_nan(bytes).map(|i| (at(i).0, at(i).1, "NaN E4M3 byte")),
         Dtype::BF16 => bytes
             .chunks_exact(2)
             .position(|p| u16::from_le_bytes([p[0], p[1]]) & 0x7F80 == 0x7F80)

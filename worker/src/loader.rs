@@ -127,7 +127,8 @@ impl<B: Backend> LayerWeights<B> {
 
     /// Allocation identities of the scratch buffers kept for reloads.
     pub fn scratch_allocation_ids(&self, backend: &B) -> Vec<usize> {
-        self.scratch.pool.allocation_ids(backend)
+        let host = [self.scratch.host_weight.as_ptr() as usize, self.scratch.host_scale.as_ptr() as usize];
+        self.scratch.pool.allocation_ids(backend).into_iter().chain(host).collect()
     }
 
     /// Allocation identities of the kernel buffers (to show a reload reuses them).
@@ -431,8 +432,8 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
 
         let t = Instant::now();
         let src = match self.format {
-            WeightFormat::Fp8 { block } => WeightSource::Fp8 { weight: &scratch.host_weight, block_scale: &scratch.host_scale, block },
-            WeightFormat::Bf16 => WeightSource::Bf16 { weight: &scratch.host_weight },
+            WeightFormat::Fp8 { block } => WeightSource::Fp8 { weight: &mut scratch.host_weight, block_scale: &scratch.host_scale, block },
+            WeightFormat::Bf16 => WeightSource::Bf16 { weight: &mut scratch.host_weight },
         };
         let mx = Mx::from_source(self.backend, src, n_rows, n_cols, self.rule, &mut scratch.pool).map_err(|e| match (e, &scale_ctx) {
             (KernelError::NanScale { row, col }, Some((name, file, (r0, c0)))) => LoadError::Tensor {
