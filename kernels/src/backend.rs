@@ -31,6 +31,35 @@ pub trait Backend {
     fn upload_staged(&self, host: &mut Vec<u8>, dst: &mut Self::Buffer) -> Result<(), KernelError> {
         self.upload(host, dst)
     }
+    /// MXFP8-quantizes host BF16 bytes into backend buffers. The default uploads, then
+    /// quantizes on the device.
+    fn quantize_bf16_host(
+        &self,
+        bf16: &[u8],
+        rows: usize,
+        k: usize,
+        rule: ScaleRule,
+        elements: &mut Self::Buffer,
+        scales: &mut Self::Buffer,
+    ) -> Result<(), KernelError> {
+        let mut staged = self.empty();
+        self.upload(bf16, &mut staged)?;
+        self.quantize_bf16_rows(&staged, rows, k, rule, elements, scales)
+    }
+    /// Uploads host bytes while gathering runs (see [`permutation::gather_runs`]): the
+    /// permutation applied on the way in. The default uploads, then gathers on the device.
+    fn upload_gather_runs(
+        &self,
+        host: &[u8],
+        row_bytes: usize,
+        run_bytes: usize,
+        perm: &Permutation,
+        dst: &mut Self::Buffer,
+    ) -> Result<(), KernelError> {
+        let mut staged = self.empty();
+        self.upload(host, &mut staged)?;
+        self.gather_runs(&staged, row_bytes, run_bytes, perm, dst)
+    }
     /// Copies the buffer's bytes to host memory.
     fn download(&self, src: &Self::Buffer, dst: &mut Vec<u8>) -> Result<(), KernelError>;
     /// Digest of the buffer's bytes in storage order (computed on host bytes, so every backend
@@ -104,8 +133,35 @@ impl Backend for CpuBackend {
         Ok(())
     }
     fn upload_staged(&self, host: &mut Vec<u8>, dst: &mut Vec<u8>) -> Result<(), KernelError> {
-        std::mem::swap(host, dst);
-        Ok(())
+        // Swap allocations when `dst` can hold the next read of this size (so neither side ever
+        // needs a new allocation on a reload); otherwise copy.
+        if dst.capacity() >= host.len() {
+            std::mem::swap(host, dst);
+            Ok(())
+        } else {
+            self.upload(host, dst)
+        }
+    }
+    fn quantize_bf16_host(
+        &self,
+        bf16: &[u8],
+        rows: usize,
+        k: usize,
+        rule: ScaleRule,
+        elements: &mut Vec<u8>,
+        scales: &mut Vec<u8>,
+    ) -> Result<(), KernelError> {
+        mxfp8::quantize_bf16_rows(bf16, rows, k, rule, elements, scales)
+    }
+    fn upload_gather_runs(
+        &self,
+        host: &[u8],
+        row_bytes: usize,
+        run_bytes: usize,
+        perm: &Permutation,
+        dst: &mut Vec<u8>,
+    ) -> Result<(), KernelError> {
+        permutation::gather_runs(host, row_bytes, run_bytes, perm, dst)
     }
     fn download(&self, src: &Vec<u8>, dst: &mut Vec<u8>) -> Result<(), KernelError> {
         dst.clear();
@@ -174,7 +230,7 @@ pub fn expand_block_scales(block_scale: &[u8], rows: usize, k: usize, block: [us
     }
     let c = k / mxfp8::BLOCK;
     let per_block = bk / mxfp8::BLOCK;
-    dst.clear();
+    // Every byte is overwritten below: no need to clear first.
     dst.resize(rows * c, 0);
     for (r, row) in dst.chunks_exact_mut(c.max(1)).enumerate() {
         let src = &block_scale[(r / bm) * block_cols..][..block_cols];
@@ -198,8 +254,9 @@ impl<B: Backend> Default for BufferPool<B> {
 }
 
 impl<B: Backend> BufferPool<B> {
-    /// A buffer that can hold `bytes` without growing if the pool has one (smallest such),
-    /// otherwise the largest free one (it will grow), otherwise a new empty one.
+    /// The smallest free buffer that can hold `bytes` without growing, or a new empty one.
+    /// (Never a smaller free buffer to grow: that would take it from a later request of its
+    /// own size, and a reload would then allocate.)
     pub fn take(&mut self, backend: &B, bytes: usize) -> B::Buffer {
         let fitting = self
             .free
@@ -208,8 +265,7 @@ impl<B: Backend> BufferPool<B> {
             .filter(|(_, b)| backend.capacity(b) >= bytes)
             .min_by_key(|(_, b)| backend.capacity(b))
             .map(|(i, _)| i);
-        let pick = fitting.or_else(|| self.free.iter().enumerate().max_by_key(|(_, b)| backend.capacity(b)).map(|(i, _)| i));
-        match pick {
+        match fitting {
             Some(i) => self.free.swap_remove(i),
             None => backend.empty(),
         }
@@ -261,6 +317,8 @@ mod tests {
         pool.give(big);
         pool.give(small);
         assert_eq!(cpu.allocation_id(&pool.take(&cpu, 8)), small_id);
+        // Nothing left fits 2000: a new buffer, the big one stays for a request it fits.
+        assert_eq!(cpu.capacity(&pool.take(&cpu, 2000)), 0);
         assert_eq!(cpu.allocation_id(&pool.take(&cpu, 8)), big_id);
         assert_eq!(cpu.capacity(&pool.take(&cpu, 8)), 0);
     }

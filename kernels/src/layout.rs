@@ -45,7 +45,7 @@ pub fn swizzle_128x4(scale: &[u8], m: usize, c: usize, dst: &mut Vec<u8>) -> Res
 /// zero, otherwise the buffer was not produced by the swizzle.
 pub fn unswizzle_128x4(swizzled: &[u8], m: usize, c: usize, dst: &mut Vec<u8>) -> Result<(), KernelError> {
     check_len("swizzled scale", swizzled.len(), swizzled_len(m, c))?;
-    dst.clear();
+    // Every byte is overwritten below: no need to clear first.
     dst.resize(m * c, 0);
     let mut covered = 0usize;
     for i in 0..m {
@@ -72,7 +72,7 @@ pub fn pack_ue8m0_mn_major(scale: &[u8], groups: usize, rows: usize, c: usize, d
     }
     check_len("scale to pack", scale.len(), groups * rows * c)?;
     let k4 = c / 4;
-    dst.clear();
+    // Every byte is overwritten below: no need to clear first.
     dst.resize(scale.len(), 0);
     for g in 0..groups {
         for r in 0..rows {
@@ -93,7 +93,7 @@ pub fn unpack_ue8m0_mn_major(packed: &[u8], groups: usize, rows: usize, c: usize
         return Err(KernelError::Shape(format!("packed UE8M0 needs columns ({c}) a multiple of 4")));
     }
     let k4 = c / 4;
-    dst.clear();
+    // Every byte is overwritten below: no need to clear first.
     dst.resize(packed.len(), 0);
     for g in 0..groups {
         for q in 0..k4 {

@@ -136,9 +136,8 @@ pub fn quantize_bf16_rows(
         return Err(KernelError::Shape(format!("BF16 matrix of {} bytes is not [{rows}, {k}] with K a multiple of {BLOCK}", bf16.len())));
     }
     let table = bf16_to_e4m3_table();
-    elements.clear();
+    // Every byte is overwritten below: no need to clear first.
     elements.resize(rows * k, 0);
-    scales.clear();
     scales.resize(rows * (k / BLOCK), 0);
     let mut block = [0u16; BLOCK];
     for (b, ((src, dst), scale)) in bf16.chunks_exact(BLOCK * 2).zip(elements.chunks_exact_mut(BLOCK)).zip(scales.iter_mut()).enumerate() {
@@ -158,20 +157,19 @@ pub fn quantize_bf16_rows(
         }
         let e = scale_exponent(f32::from_bits((amax as u32) << 16), rule);
         let shift = e * 128; // the scale's exponent in BF16 exponent-field units
-        let inv = e8m0::pow2(-e);
-        for (o, &h) in dst.iter_mut().zip(&block) {
-            let sign = ((h >> 8) & 0x80) as u8;
-            let mag = h & 0x7FFF;
-            *o = if mag == 0 {
-                sign
-            } else if mag & 0x7F80 == 0 {
-                // A subnormal input has no implicit leading one: convert exactly.
-                e4m3::from_f32_saturating(f32::from_bits((h as u32) << 16) * inv)
-            } else {
-                let adjusted = mag as i32 - shift;
-                // At or below exponent 0 the scaled value is under 2^-126: it rounds to zero.
-                sign | if adjusted <= 0x7F { 0 } else { table[(adjusted as usize).min(0x7FFF)] }
-            };
+        if block.iter().all(|&h| h & 0x7F80 != 0) {
+            // All normal: scaling lowers the exponent field; at or below exponent 0 the scaled
+            // value is under 2^-126 and the table (whose subnormal entries are 0) gives zero.
+            for (o, &h) in dst.iter_mut().zip(&block) {
+                let adjusted = ((h & 0x7FFF) as i32 - shift).clamp(0, 0x7FFF) as usize;
+                *o = ((h >> 8) & 0x80) as u8 | table[adjusted];
+            }
+        } else {
+            // Zeros or subnormals in the block: convert exactly.
+            let inv = e8m0::pow2(-e);
+            for (o, &h) in dst.iter_mut().zip(&block) {
+                *o = e4m3::from_f32_saturating(f32::from_bits((h as u32) << 16) * inv);
+            }
         }
         *scale = (e + e8m0::BIAS) as u8;
     }
@@ -293,7 +291,7 @@ mod tests {
                         let r = z >> 24;
                         let exp = (center as i64 + (r % 24) as i64 - 12).clamp(0, 254) as u16;
                         let bits = (((r >> 8) & 1) as u16) << 15 | exp << 7 | ((r >> 9) & 0x7F) as u16;
-                        let bits = if r % 29 == 0 { bits & 0x8000 } else { bits };
+                        let bits = if r.is_multiple_of(29) { bits & 0x8000 } else { bits };
                         vals.push(bits);
                     }
                 }

@@ -70,15 +70,38 @@ pub struct WoA;
 /// `wo_b`: O output projection, never permuted.
 pub struct WoB;
 
-/// Where a parameter's checkpoint-order bytes come from: host staging buffers, row-major.
-/// The weight's staging buffer is moved into the backend (its contents are unspecified
-/// afterwards; the host backend swaps allocations instead of copying).
+/// Host bytes of a source tensor: borrowed (straight from a memory-mapped shard, say) or a
+/// staging buffer the backend may take over (its contents are unspecified afterwards; the
+/// host backend swaps allocations instead of copying).
+#[derive(Debug)]
+pub enum HostBytes<'a> {
+    Borrowed(&'a [u8]),
+    Staged(&'a mut Vec<u8>),
+}
+
+impl HostBytes<'_> {
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            HostBytes::Borrowed(b) => b,
+            HostBytes::Staged(v) => v,
+        }
+    }
+
+    fn upload<B: Backend>(self, backend: &B, dst: &mut B::Buffer) -> Result<(), KernelError> {
+        match self {
+            HostBytes::Borrowed(b) => backend.upload(b, dst),
+            HostBytes::Staged(v) => backend.upload_staged(v, dst),
+        }
+    }
+}
+
+/// Where a parameter's checkpoint-order bytes come from (host memory, row-major).
 #[derive(Debug)]
 pub enum WeightSource<'a> {
     /// E4M3 weight `[rows, k]` and its UE8M0 block scale `[rows/block[0], k/block[1]]`.
-    Fp8 { weight: &'a mut Vec<u8>, block_scale: &'a [u8], block: [usize; 2] },
+    Fp8 { weight: HostBytes<'a>, block_scale: &'a [u8], block: [usize; 2] },
     /// BF16 weight `[rows, k]`, little-endian, quantized to MXFP8 on load.
-    Bf16 { weight: &'a mut Vec<u8> },
+    Bf16 { weight: HostBytes<'a> },
 }
 
 /// The Q row permutation of one rank's `wq_b` shard.
@@ -184,47 +207,8 @@ impl<B: Backend, P> Mx<B, P, CheckpointOrder> {
         rule: ScaleRule,
         pool: &mut BufferPool<B>,
     ) -> Result<Self, KernelError> {
-        if !k.is_multiple_of(BLOCK) {
-            return Err(KernelError::Shape(format!("K = {k} is not a multiple of {BLOCK}")));
-        }
-        let mut weight = pool.take(backend, rows * k);
-        let mut scale = pool.take(backend, rows * (k / BLOCK));
-        let result = match source {
-            WeightSource::Fp8 { weight: w, block_scale, block } => (|| {
-                check_source_shape("E4M3 weight", w.len(), rows * k)?;
-                if let Some(at) = e8m0::find_nan(block_scale) {
-                    let cols = k / block[1].max(1);
-                    return Err(KernelError::NanScale { row: at / cols.max(1), col: at % cols.max(1) });
-                }
-                if let Some(at) = e4m3::find_nan(w) {
-                    return Err(KernelError::NonFinite { row: at / k, col: at % k });
-                }
-                backend.upload_staged(w, &mut weight)?;
-                let mut staged = pool.take(backend, block_scale.len());
-                let r = backend
-                    .upload(block_scale, &mut staged)
-                    .and_then(|()| backend.expand_block_scales(&staged, rows, k, block, &mut scale));
-                pool.give(staged);
-                r
-            })(),
-            WeightSource::Bf16 { weight: w } => (|| {
-                check_source_shape("BF16 weight", w.len(), rows * k * 2)?;
-                let mut staged = pool.take(backend, w.len());
-                let r = backend
-                    .upload_staged(w, &mut staged)
-                    .and_then(|()| backend.quantize_bf16_rows(&staged, rows, k, rule, &mut weight, &mut scale));
-                pool.give(staged);
-                r
-            })(),
-        };
-        match result {
-            Ok(()) => Ok(mx(weight, scale, rows, k)),
-            Err(e) => {
-                pool.give(weight);
-                pool.give(scale);
-                Err(e)
-            }
-        }
+        let (w, s) = load_source(backend, source, rows, k, rule, None, pool)?;
+        Ok(mx(w, s, rows, k))
     }
 
     /// The block scale `[rows/bm, k/bk]` these per-row scales were expanded from; an error if
@@ -267,6 +251,26 @@ impl<B: Backend> Mx<B, WqB, CheckpointOrder> {
 }
 
 impl<B: Backend> Mx<B, WqB, Fused> {
+    /// Reads an FP8 source straight into the fused Q layout: the rows are gathered by the Q
+    /// permutation on the way in, so the checkpoint-order weight is never materialized. Bit for
+    /// bit the same as `Mx::from_source(..)?.permute(..)` (tested); a BF16 source is quantized
+    /// first, then permuted.
+    pub fn from_source_permuted(
+        backend: &B,
+        source: WeightSource<'_>,
+        rows: usize,
+        k: usize,
+        rule: ScaleRule,
+        q: &QPermutation,
+        pool: &mut BufferPool<B>,
+    ) -> Result<Self, KernelError> {
+        if q.rows().len() != rows {
+            return Err(KernelError::Shape(format!("the Q permutation covers {} rows but the shard has {rows}", q.rows().len())));
+        }
+        let (w, s) = load_source(backend, source, rows, k, rule, Some(Gather::Rows(q.rows())), pool)?;
+        Ok(mx(w, s, rows, k))
+    }
+
     /// Inverse of [`Mx::permute`] (for round-trip checks).
     pub fn unpermute(self, backend: &B, q: &QPermutation, pool: &mut BufferPool<B>) -> Result<Mx<B, WqB, CheckpointOrder>, KernelError> {
         let inv = q.rows().inverse();
@@ -291,6 +295,24 @@ impl<B: Backend> Mx<B, WoA, CheckpointOrder> {
 }
 
 impl<B: Backend> Mx<B, WoA, Fused> {
+    /// Reads an FP8 source straight into the fused O layout (32-column chunks gathered on
+    /// the way in). Bit for bit the same as `Mx::from_source(..)?.permute(..)` (tested).
+    pub fn from_source_permuted(
+        backend: &B,
+        source: WeightSource<'_>,
+        rows: usize,
+        k: usize,
+        rule: ScaleRule,
+        o: &OPermutation,
+        pool: &mut BufferPool<B>,
+    ) -> Result<Self, KernelError> {
+        if o.chunks().len() * O_CHUNK != k {
+            return Err(KernelError::Shape(format!("the O permutation covers {} columns but wo_a has {k}", o.chunks().len() * O_CHUNK)));
+        }
+        let (w, s) = load_source(backend, source, rows, k, rule, Some(Gather::ColumnChunks(o.chunks())), pool)?;
+        Ok(mx(w, s, rows, k))
+    }
+
     /// Inverse of [`Mx::permute`].
     pub fn unpermute(self, backend: &B, o: &OPermutation, pool: &mut BufferPool<B>) -> Result<Mx<B, WoA, CheckpointOrder>, KernelError> {
         let inv = o.chunks().inverse();
@@ -326,6 +348,90 @@ impl<B: Backend> Mx<B, WoB, CheckpointOrder> {
     /// `wo_b` is not permuted: the same linear hook as `wq_b`, on checkpoint order.
     pub fn into_kernel(self, backend: &B, pool: &mut BufferPool<B>) -> Result<KernelTensor<B>, KernelError> {
         linear_hook(backend, self.weight, self.scale, self.rows, self.k, pool)
+    }
+}
+
+/// A permutation applied while loading.
+enum Gather<'p> {
+    /// Whole rows (weight rows of `k` bytes, scale rows of `k/32`).
+    Rows(&'p Permutation),
+    /// 32-column chunks of every row (scale: single columns).
+    ColumnChunks(&'p Permutation),
+}
+
+/// The source stage of the pipeline: validate, upload (gathering if asked), expand or
+/// quantize. Returns the weight and per-row scale buffers.
+fn load_source<B: Backend>(
+    backend: &B,
+    source: WeightSource<'_>,
+    rows: usize,
+    k: usize,
+    rule: ScaleRule,
+    gather: Option<Gather<'_>>,
+    pool: &mut BufferPool<B>,
+) -> Result<(B::Buffer, B::Buffer), KernelError> {
+    if !k.is_multiple_of(BLOCK) {
+        return Err(KernelError::Shape(format!("K = {k} is not a multiple of {BLOCK}")));
+    }
+    let c = k / BLOCK;
+    match source {
+        WeightSource::Fp8 { weight: w, block_scale, block } => {
+            check_source_shape("E4M3 weight", w.as_slice().len(), rows * k)?;
+            if let Some(at) = e8m0::find_nan(block_scale) {
+                let cols = (k / block[1].max(1)).max(1);
+                return Err(KernelError::NanScale { row: at / cols, col: at % cols });
+            }
+            if let Some(at) = e4m3::find_nan(w.as_slice()) {
+                return Err(KernelError::NonFinite { row: at / k, col: at % k });
+            }
+            let mut weight = pool.take(backend, rows * k);
+            let mut scale = pool.take(backend, rows * c);
+            let mut staged = pool.take(backend, block_scale.len());
+            let mut per_row = pool.take(backend, rows * c);
+            let r = (|| {
+                match &gather {
+                    None => w.upload(backend, &mut weight)?,
+                    Some(Gather::Rows(p)) => backend.upload_gather_runs(w.as_slice(), rows * k, k, p, &mut weight)?,
+                    Some(Gather::ColumnChunks(p)) => backend.upload_gather_runs(w.as_slice(), k, O_CHUNK, p, &mut weight)?,
+                }
+                backend.upload(block_scale, &mut staged)?;
+                match &gather {
+                    None => backend.expand_block_scales(&staged, rows, k, block, &mut scale),
+                    Some(g) => {
+                        backend.expand_block_scales(&staged, rows, k, block, &mut per_row)?;
+                        match g {
+                            Gather::Rows(p) => backend.gather_runs(&per_row, rows * c, c, p, &mut scale),
+                            Gather::ColumnChunks(p) => backend.gather_runs(&per_row, c, 1, p, &mut scale),
+                        }
+                    }
+                }
+            })();
+            pool.give(staged);
+            pool.give(per_row);
+            match r {
+                Ok(()) => Ok((weight, scale)),
+                Err(e) => {
+                    pool.give(weight);
+                    pool.give(scale);
+                    Err(e)
+                }
+            }
+        }
+        WeightSource::Bf16 { weight: w } => {
+            check_source_shape("BF16 weight", w.as_slice().len(), rows * k * 2)?;
+            let mut weight = pool.take(backend, rows * k);
+            let mut scale = pool.take(backend, rows * c);
+            if let Err(e) = backend.quantize_bf16_host(w.as_slice(), rows, k, rule, &mut weight, &mut scale) {
+                pool.give(weight);
+                pool.give(scale);
+                return Err(e);
+            }
+            match gather {
+                None => Ok((weight, scale)),
+                Some(Gather::Rows(p)) => gather_rows(backend, weight, scale, rows, k, p, pool).map(|(w, s, _, _)| (w, s)),
+                Some(Gather::ColumnChunks(p)) => gather_columns(backend, weight, scale, rows, k, p, pool).map(|(w, s, _, _)| (w, s)),
+            }
+        }
     }
 }
 

@@ -131,7 +131,7 @@ pub fn gather_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm: &Permut
             src.len()
         )));
     }
-    dst.clear();
+    // Every byte is overwritten below: no need to clear first.
     dst.resize(src.len(), 0);
     for (src_row, dst_row) in src.chunks_exact(row_bytes).zip(dst.chunks_exact_mut(row_bytes)) {
         if run_bytes == 1 {

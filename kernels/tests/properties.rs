@@ -122,3 +122,43 @@ proptest! {
         prop_assert_eq!(back, scale);
     }
 }
+
+mod fused_load {
+    use orchestrator_kernels::params::{CheckpointOrder, Fused, HostBytes, Mx, OPermutation, QPermutation, WeightSource, WoA, WqB};
+    use orchestrator_kernels::{BufferPool, CpuBackend, ScaleRule};
+    use proptest::prelude::*;
+
+    fn bytes(n: usize, seed: u64, f: impl Fn(u64) -> u8) -> Vec<u8> {
+        (0..n as u64).map(|i| f((i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40)).collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(16))]
+
+        /// Gathering straight from the source equals loading in checkpoint order, then permuting.
+        #[test]
+        fn from_source_permuted_equals_from_source_then_permute(seed in any::<u64>(), heads8 in 1usize..3) {
+            let cpu = CpuBackend;
+            let mut pool = BufferPool::<CpuBackend>::default();
+            let e4m3 = |x: u64| (x as u8) & 0x7E; // never NaN
+            // wq_b: [heads*512, 64] with 32x32 block scales.
+            let (rows, k) = (heads8 * 8 * 512, 64);
+            let w = bytes(rows * k, seed, e4m3);
+            let s = bytes(rows / 32 * 2, seed, |x| 110 + (x % 8) as u8);
+            let q = QPermutation::new(heads8 * 8, 512).unwrap();
+            let src = || WeightSource::Fp8 { weight: HostBytes::Borrowed(&w), block_scale: &s, block: [32, 32] };
+            let a = Mx::<CpuBackend, WqB, Fused>::from_source_permuted(&cpu, src(), rows, k, ScaleRule::Rceil, &q, &mut pool).unwrap();
+            let b = Mx::<CpuBackend, WqB, CheckpointOrder>::from_source(&cpu, src(), rows, k, ScaleRule::Rceil, &mut pool).unwrap().permute(&cpu, &q, &mut pool).unwrap();
+            prop_assert_eq!(a.to_host(&cpu).unwrap(), b.to_host(&cpu).unwrap());
+            // wo_a: [64, 4096].
+            let (rows, k) = (64, 4096);
+            let w = bytes(rows * k, seed ^ 1, e4m3);
+            let s = bytes(rows / 32 * 128, seed ^ 1, |x| 110 + (x % 8) as u8);
+            let o = OPermutation::new(512).unwrap();
+            let src = || WeightSource::Fp8 { weight: HostBytes::Borrowed(&w), block_scale: &s, block: [32, 32] };
+            let a = Mx::<CpuBackend, WoA, Fused>::from_source_permuted(&cpu, src(), rows, k, ScaleRule::Rceil, &o, &mut pool).unwrap();
+            let b = Mx::<CpuBackend, WoA, CheckpointOrder>::from_source(&cpu, src(), rows, k, ScaleRule::Rceil, &mut pool).unwrap().permute(&cpu, &o, &mut pool).unwrap();
+            prop_assert_eq!(a.to_host(&cpu).unwrap(), b.to_host(&cpu).unwrap());
+        }
+    }
+}

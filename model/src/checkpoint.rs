@@ -64,6 +64,11 @@ impl Shard {
         self.tensors.keys().map(String::as_str)
     }
 
+    /// Bytes of the mapping (ranges come from [`Checkpoint::row_range`]).
+    pub fn slice(&self, range: Range<usize>) -> &[u8] {
+        &self.mmap[range]
+    }
+
     /// The stored bytes of a tensor.
     pub fn bytes(&self, name: &str) -> Option<&[u8]> {
         let info = self.tensors.get(name)?;
@@ -245,6 +250,23 @@ impl Checkpoint {
         let (a, b) = info.data_offsets;
         let range = shard.data_start + a..shard.data_start + b;
         Ok((shard, range))
+    }
+
+    /// Where rows `rows` of a checked tensor lie in its shard's mapping (rows are contiguous,
+    /// so the caller can read them in place, without a copy).
+    pub fn row_range(&self, spec: &TensorSpec, rows: Range<usize>) -> Result<(Arc<Shard>, Range<usize>), ModelError> {
+        let (shard, range) = self.tensor_bytes(spec)?;
+        if rows.end > spec.rows() || rows.start > rows.end {
+            return Err(ModelError::WrongShape {
+                file: shard.path.clone(),
+                tensor: format!("{} (rows {rows:?} requested)", spec.name),
+                expected: vec![rows.end, spec.cols()],
+                found: spec.shape.clone(),
+            });
+        }
+        let row_bytes = spec.cols() * spec.element_bytes();
+        let start = range.start + rows.start * row_bytes;
+        Ok((shard, start..start + rows.len() * row_bytes))
     }
 
     /// Copies rows `rows` and columns `cols` of a checked 2-D (or 1-D: one row) tensor into

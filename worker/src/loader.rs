@@ -6,14 +6,16 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use orchestrator_kernels::params::{CheckpointOrder, KernelTensor, Mx, OPermutation, QPermutation, WeightSource, WoA, WoB, WqB};
+use orchestrator_kernels::params::{
+    CheckpointOrder, Fused, HostBytes, KernelTensor, Mx, OPermutation, QPermutation, WeightSource, WoA, WoB, WqB,
+};
 use orchestrator_kernels::{Backend, BufferPool, Digest, KernelError, ScaleRule};
 use orchestrator_model::names::{checkpoint_name, kernel_name, layer_tensors};
 use orchestrator_model::{Geometry, ModelConfig, ModelError, Param, Part, RankShard, TensorSpec, WeightFormat};
 use rayon::prelude::*;
 
 use crate::identity::LayoutIdentity;
-use crate::source::LoadSource;
+use crate::source::{Fetched, LoadSource};
 
 /// Why a rank failed to load.
 #[derive(Debug, thiserror::Error)]
@@ -85,13 +87,25 @@ pub fn serialize_hex<S: serde::Serializer>(d: &Digest, s: S) -> Result<S::Ok, S:
 /// Scratch memory one layer keeps for reloads: backend buffers and host staging.
 pub struct LayerScratch<B: Backend> {
     pool: BufferPool<B>,
-    host_weight: Vec<u8>,
+    /// Host staging per parameter (indexed by [`param_slot`]): each keeps the capacity its
+    /// parameter needs, so a reload never reallocates.
+    host_weight: [Vec<u8>; 4],
     host_scale: Vec<u8>,
+}
+
+/// Index of a parameter's host staging buffer.
+fn param_slot(p: Param) -> usize {
+    match p {
+        Param::WqB => 0,
+        Param::WoA => 1,
+        Param::WoB => 2,
+        Param::AttnSink => 3,
+    }
 }
 
 impl<B: Backend> Default for LayerScratch<B> {
     fn default() -> Self {
-        Self { pool: BufferPool::default(), host_weight: Vec::new(), host_scale: Vec::new() }
+        Self { pool: BufferPool::default(), host_weight: Default::default(), host_scale: Vec::new() }
     }
 }
 
@@ -127,7 +141,7 @@ impl<B: Backend> LayerWeights<B> {
 
     /// Allocation identities of the scratch buffers kept for reloads.
     pub fn scratch_allocation_ids(&self, backend: &B) -> Vec<usize> {
-        let host = [self.scratch.host_weight.as_ptr() as usize, self.scratch.host_scale.as_ptr() as usize];
+        let host = self.scratch.host_weight.iter().chain(std::iter::once(&self.scratch.host_scale)).map(|v| v.as_ptr() as usize);
         self.scratch.pool.allocation_ids(backend).into_iter().chain(host).collect()
     }
 
@@ -313,45 +327,89 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         let mut source_digests = Vec::with_capacity(specs.len());
         let mut checkpoint_order = Vec::with_capacity(3);
 
+        // FP8 rows and chunks are gathered into the fused layouts straight from the source;
+        // BF16 is quantized in checkpoint order (its digests are what a round trip must
+        // reproduce), then permuted.
+        let rule = self.rule;
+        let backend = self.backend;
         let wq_b = {
-            let mx: Mx<B, WqB, CheckpointOrder> =
-                self.read_matrix(source, Param::WqB, &find, &mut scratch, &mut source_digests, &mut times)?;
-            if self.format == WeightFormat::Bf16 {
-                checkpoint_order.push((Param::WqB, mx_digests(self.backend, &mx, layer, Param::WqB)?));
-            }
+            let fused: Mx<B, WqB, Fused> = match self.format {
+                WeightFormat::Fp8 { .. } => {
+                    self.read_matrix(source, Param::WqB, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
+                        Mx::<B, WqB, Fused>::from_source_permuted(backend, src, rows, k, rule, &self.q, pool)
+                    })?
+                }
+                WeightFormat::Bf16 => {
+                    let mx: Mx<B, WqB, CheckpointOrder> = self.read_matrix(
+                        source,
+                        Param::WqB,
+                        &find,
+                        &mut scratch,
+                        &mut source_digests,
+                        &mut times,
+                        |src, rows, k, pool| Mx::from_source(backend, src, rows, k, rule, pool),
+                    )?;
+                    checkpoint_order.push((Param::WqB, mx_digests(backend, &mx, layer, Param::WqB)?));
+                    let t = Instant::now();
+                    let f = mx
+                        .permute(backend, &self.q, &mut scratch.pool)
+                        .map_err(|e| tensor_error(&checkpoint_name(layer, Param::WqB, Part::Weight), None, e))?;
+                    times.pipeline_s += t.elapsed().as_secs_f64();
+                    f
+                }
+            };
             let t = Instant::now();
-            let name = checkpoint_name(layer, Param::WqB, Part::Weight);
-            let k = mx
-                .permute(self.backend, &self.q, &mut scratch.pool)
-                .and_then(|f| f.into_kernel(self.backend, &mut scratch.pool))
-                .map_err(|e| tensor_error(&name, None, e))?;
+            let k = fused
+                .into_kernel(backend, &mut scratch.pool)
+                .map_err(|e| tensor_error(&checkpoint_name(layer, Param::WqB, Part::Weight), None, e))?;
             times.pipeline_s += t.elapsed().as_secs_f64();
             k
         };
         let wo_a = {
-            let mx: Mx<B, WoA, CheckpointOrder> =
-                self.read_matrix(source, Param::WoA, &find, &mut scratch, &mut source_digests, &mut times)?;
-            if self.format == WeightFormat::Bf16 {
-                checkpoint_order.push((Param::WoA, mx_digests(self.backend, &mx, layer, Param::WoA)?));
-            }
+            let fused: Mx<B, WoA, Fused> = match self.format {
+                WeightFormat::Fp8 { .. } => {
+                    self.read_matrix(source, Param::WoA, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
+                        Mx::<B, WoA, Fused>::from_source_permuted(backend, src, rows, k, rule, &self.o, pool)
+                    })?
+                }
+                WeightFormat::Bf16 => {
+                    let mx: Mx<B, WoA, CheckpointOrder> = self.read_matrix(
+                        source,
+                        Param::WoA,
+                        &find,
+                        &mut scratch,
+                        &mut source_digests,
+                        &mut times,
+                        |src, rows, k, pool| Mx::from_source(backend, src, rows, k, rule, pool),
+                    )?;
+                    checkpoint_order.push((Param::WoA, mx_digests(backend, &mx, layer, Param::WoA)?));
+                    let t = Instant::now();
+                    let f = mx
+                        .permute(backend, &self.o, &mut scratch.pool)
+                        .map_err(|e| tensor_error(&checkpoint_name(layer, Param::WoA, Part::Weight), None, e))?;
+                    times.pipeline_s += t.elapsed().as_secs_f64();
+                    f
+                }
+            };
             let t = Instant::now();
-            let name = checkpoint_name(layer, Param::WoA, Part::Weight);
-            let k = mx
-                .permute(self.backend, &self.o, &mut scratch.pool)
-                .and_then(|f| f.into_kernel(self.backend, self.shard.n_local_groups, &mut scratch.pool))
-                .map_err(|e| tensor_error(&name, None, e))?;
+            let k = fused
+                .into_kernel(backend, self.shard.n_local_groups, &mut scratch.pool)
+                .map_err(|e| tensor_error(&checkpoint_name(layer, Param::WoA, Part::Weight), None, e))?;
             times.pipeline_s += t.elapsed().as_secs_f64();
             k
         };
         let wo_b = {
             let mx: Mx<B, WoB, CheckpointOrder> =
-                self.read_matrix(source, Param::WoB, &find, &mut scratch, &mut source_digests, &mut times)?;
+                self.read_matrix(source, Param::WoB, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
+                    Mx::from_source(backend, src, rows, k, rule, pool)
+                })?;
             if self.format == WeightFormat::Bf16 {
-                checkpoint_order.push((Param::WoB, mx_digests(self.backend, &mx, layer, Param::WoB)?));
+                checkpoint_order.push((Param::WoB, mx_digests(backend, &mx, layer, Param::WoB)?));
             }
             let t = Instant::now();
-            let name = checkpoint_name(layer, Param::WoB, Part::Weight);
-            let k = mx.into_kernel(self.backend, &mut scratch.pool).map_err(|e| tensor_error(&name, None, e))?;
+            let k = mx
+                .into_kernel(backend, &mut scratch.pool)
+                .map_err(|e| tensor_error(&checkpoint_name(layer, Param::WoB, Part::Weight), None, e))?;
             times.pipeline_s += t.elapsed().as_secs_f64();
             k
         };
@@ -359,13 +417,14 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             let spec = find(Param::AttnSink, Part::Weight).expect("every layer has attn_sink");
             let t = Instant::now();
             let (rows, cols) = self.slice_of(spec);
-            let file = source.read(spec, rows, cols, &mut scratch.host_weight)?;
-            if let Some(at) = scratch.host_weight.chunks_exact(4).position(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()) {
+            let host = &mut scratch.host_weight[param_slot(Param::AttnSink)];
+            let file = source.read(spec, rows, cols, host)?;
+            if let Some(at) = host.chunks_exact(4).position(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()) {
                 return Err(tensor_error(&spec.name, file, KernelError::NonFinite { row: 0, col: self.shard.heads().start + at }));
             }
-            source_digests.push(digest_of(spec, &scratch.host_weight, vec![self.shard.n_local_heads]));
-            let mut buf = scratch.pool.take(self.backend, scratch.host_weight.len());
-            self.backend.upload(&scratch.host_weight, &mut buf).map_err(|e| tensor_error(&spec.name, None, e))?;
+            source_digests.push(digest_of(spec, host, vec![self.shard.n_local_heads]));
+            let mut buf = scratch.pool.take(self.backend, host.len());
+            self.backend.upload(host, &mut buf).map_err(|e| tensor_error(&spec.name, None, e))?;
             times.read_s += t.elapsed().as_secs_f64();
             buf
         };
@@ -401,8 +460,10 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
     }
 
     /// Reads a matrix parameter's slice (weight and, for FP8, block scale), records source
-    /// digests, and builds its checkpoint-order MXFP8 form.
-    fn read_matrix<'s, P>(
+    /// digests, and hands the bytes to `build` (a pipeline constructor), mapping its errors to
+    /// the tensor and absolute checkpoint position.
+    #[allow(clippy::too_many_arguments)]
+    fn read_matrix<'s, T>(
         &self,
         source: &LoadSource,
         param: Param,
@@ -410,14 +471,17 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         scratch: &mut LayerScratch<B>,
         digests: &mut Vec<TensorDigest>,
         times: &mut StageTimes,
-    ) -> Result<Mx<B, P, CheckpointOrder>, LoadError> {
+        build: impl FnOnce(WeightSource<'_>, usize, usize, &mut BufferPool<B>) -> Result<T, KernelError>,
+    ) -> Result<T, LoadError> {
         let t = Instant::now();
         let wspec = find(param, Part::Weight).expect("every layer has the weight");
         let (rows, cols) = self.slice_of(wspec);
         let (n_rows, n_cols) = (rows.len(), cols.len());
         let (row0, col0) = (rows.start, cols.start);
-        let wfile = source.read(wspec, rows, cols, &mut scratch.host_weight)?;
-        digests.push(digest_of(wspec, &scratch.host_weight, vec![n_rows, n_cols]));
+        let slot = param_slot(param);
+        let fetched = source.fetch(wspec, rows, cols, &mut scratch.host_weight[slot])?;
+        let wfile = fetched.file();
+        digests.push(digest_of(wspec, fetched.bytes(&scratch.host_weight[slot]), vec![n_rows, n_cols]));
         let mut scale_ctx = None;
         if let WeightFormat::Fp8 { .. } = self.format {
             let sspec = find(param, Part::Scale).expect("FP8 layers have scales");
@@ -431,11 +495,15 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         times.read_s += t.elapsed().as_secs_f64();
 
         let t = Instant::now();
-        let src = match self.format {
-            WeightFormat::Fp8 { block } => WeightSource::Fp8 { weight: &mut scratch.host_weight, block_scale: &scratch.host_scale, block },
-            WeightFormat::Bf16 => WeightSource::Bf16 { weight: &mut scratch.host_weight },
+        let weight = match &fetched {
+            Fetched::Mapped { shard, range } => HostBytes::Borrowed(shard.slice(range.clone())),
+            Fetched::Staged { .. } => HostBytes::Staged(&mut scratch.host_weight[slot]),
         };
-        let mx = Mx::from_source(self.backend, src, n_rows, n_cols, self.rule, &mut scratch.pool).map_err(|e| match (e, &scale_ctx) {
+        let src = match self.format {
+            WeightFormat::Fp8 { block } => WeightSource::Fp8 { weight, block_scale: &scratch.host_scale, block },
+            WeightFormat::Bf16 => WeightSource::Bf16 { weight },
+        };
+        let built = build(src, n_rows, n_cols, &mut scratch.pool).map_err(|e| match (e, &scale_ctx) {
             (KernelError::NanScale { row, col }, Some((name, file, (r0, c0)))) => LoadError::Tensor {
                 tensor: name.clone(),
                 file: file.clone(),
@@ -447,7 +515,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             (other, _) => tensor_error(&wspec.name, wfile.clone(), other),
         })?;
         times.pipeline_s += t.elapsed().as_secs_f64();
-        Ok(mx)
+        Ok(built)
     }
 }
 

@@ -4,6 +4,9 @@
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use orchestrator_model::checkpoint::Shard;
 
 use orchestrator_model::{Checkpoint, Generator, ModelConfig, ModelError, TensorSpec};
 
@@ -43,6 +46,18 @@ impl LoadSource {
         }
     }
 
+    /// Rows x columns of a tensor: mapped in place when the rows are whole (no copy), otherwise
+    /// copied (or generated) into `staging`.
+    pub fn fetch(&self, spec: &TensorSpec, rows: Range<usize>, cols: Range<usize>, staging: &mut Vec<u8>) -> Result<Fetched, ModelError> {
+        match self {
+            LoadSource::Safetensors(c) if cols.start == 0 && cols.end == spec.cols() => {
+                let (shard, range) = c.row_range(spec, rows)?;
+                Ok(Fetched::Mapped { shard, range })
+            }
+            _ => self.read(spec, rows, cols, staging).map(|file| Fetched::Staged { file }),
+        }
+    }
+
     /// Copies rows x columns of a tensor into `out` (row-major); returns the file it came from.
     pub fn read(
         &self,
@@ -57,6 +72,30 @@ impl LoadSource {
                 generator.slice(spec, rows, cols, out);
                 Ok(None)
             }
+        }
+    }
+}
+
+/// A fetched slice: in place in a shard's mapping, or in the caller's staging buffer.
+pub enum Fetched {
+    Mapped { shard: Arc<Shard>, range: Range<usize> },
+    Staged { file: Option<PathBuf> },
+}
+
+impl Fetched {
+    /// The slice's bytes (`staging` is the buffer passed to [`LoadSource::fetch`]).
+    pub fn bytes<'a>(&'a self, staging: &'a [u8]) -> &'a [u8] {
+        match self {
+            Fetched::Mapped { shard, range } => shard.slice(range.clone()),
+            Fetched::Staged { .. } => staging,
+        }
+    }
+
+    /// The file the bytes came from, if any.
+    pub fn file(&self) -> Option<PathBuf> {
+        match self {
+            Fetched::Mapped { shard, .. } => Some(shard.path.clone()),
+            Fetched::Staged { file } => file.clone(),
         }
     }
 }

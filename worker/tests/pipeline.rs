@@ -138,7 +138,13 @@ fn reload_permutes_again_into_the_same_buffers() {
     assert_eq!(w.generation, 2);
     for l in &w.layers {
         for id in l.allocation_ids(&CpuBackend) {
-            assert!(before.contains(&id), "layer {}: reload allocated a new kernel buffer", l.layer);
+            assert!(
+                before.contains(&id),
+                "layer {}: reload allocated a new kernel buffer (#{} of {:?})",
+                l.layer,
+                l.allocation_ids(&CpuBackend).iter().position(|x| *x == id).unwrap(),
+                l.allocation_ids(&CpuBackend)
+            );
         }
     }
     let fresh = loader.load(&v2).unwrap();
