@@ -6,7 +6,7 @@
 
 use crate::digest::Digest;
 use crate::mxfp8::{self, ScaleRule};
-use crate::permutation::{self, Permutation};
+use crate::permutation::{self, BlockOrder, Permutation};
 use crate::{KernelError, layout};
 
 /// Operations the load pipeline needs, on buffers the backend owns.
@@ -31,20 +31,35 @@ pub trait Backend {
     fn upload_staged(&self, host: &mut Vec<u8>, dst: &mut Self::Buffer) -> Result<(), KernelError> {
         self.upload(host, dst)
     }
-    /// MXFP8-quantizes host BF16 bytes into backend buffers. The default uploads, then
-    /// quantizes on the device.
+    /// MXFP8-quantizes host BF16 bytes into backend buffers, writing the blocks in `order`.
+    /// The default uploads, quantizes on the device, then gathers.
+    #[allow(clippy::too_many_arguments)]
     fn quantize_bf16_host(
         &self,
         bf16: &[u8],
         rows: usize,
         k: usize,
         rule: ScaleRule,
+        order: BlockOrder<'_>,
         elements: &mut Self::Buffer,
         scales: &mut Self::Buffer,
     ) -> Result<(), KernelError> {
-        let mut staged = self.empty();
+        let (mut staged, mut e, mut s) = (self.empty(), self.empty(), self.empty());
         self.upload(bf16, &mut staged)?;
-        self.quantize_bf16_rows(&staged, rows, k, rule, elements, scales)
+        let c = k / mxfp8::BLOCK;
+        match order {
+            BlockOrder::Identity => self.quantize_bf16_rows(&staged, rows, k, rule, elements, scales),
+            BlockOrder::Rows(p) => {
+                self.quantize_bf16_rows(&staged, rows, k, rule, &mut e, &mut s)?;
+                self.gather_runs(&e, rows * k, k, p, elements)?;
+                self.gather_runs(&s, rows * c, c, p, scales)
+            }
+            BlockOrder::Chunks(p) => {
+                self.quantize_bf16_rows(&staged, rows, k, rule, &mut e, &mut s)?;
+                self.gather_runs(&e, k, mxfp8::BLOCK, p, elements)?;
+                self.gather_runs(&s, c, 1, p, scales)
+            }
+        }
     }
     /// Uploads host bytes while gathering runs (see [`permutation::gather_runs`]): the
     /// permutation applied on the way in. The default uploads, then gathers on the device.
@@ -148,10 +163,11 @@ impl Backend for CpuBackend {
         rows: usize,
         k: usize,
         rule: ScaleRule,
+        order: BlockOrder<'_>,
         elements: &mut Vec<u8>,
         scales: &mut Vec<u8>,
     ) -> Result<(), KernelError> {
-        mxfp8::quantize_bf16_rows(bf16, rows, k, rule, elements, scales)
+        mxfp8::quantize_bf16_ordered(bf16, rows, k, rule, order, elements, scales)
     }
     fn upload_gather_runs(
         &self,

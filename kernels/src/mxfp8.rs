@@ -2,6 +2,7 @@
 //! E4M3fn elements with round-to-nearest-even and saturation. Both scale rules, computed
 //! exactly from the f32 bit patterns (never with a floating-point `log2`).
 
+use crate::permutation::BlockOrder;
 use crate::{KernelError, e4m3, e8m0};
 
 /// Elements per scale block along K.
@@ -106,20 +107,6 @@ fn non_finite_at(index: usize, k: usize) -> KernelError {
     KernelError::NonFinite { row: index / k, col: index % k }
 }
 
-/// E4M3 byte of every non-negative BF16 bit pattern (15 bits): the saturating RNE conversion,
-/// cached. Quantizing a normal BF16 value by a power-of-two scale only lowers its exponent
-/// field, so one lookup replaces the conversion.
-fn bf16_to_e4m3_table() -> &'static [u8; 1 << 15] {
-    static TABLE: std::sync::OnceLock<Box<[u8; 1 << 15]>> = std::sync::OnceLock::new();
-    TABLE.get_or_init(|| {
-        let mut t = Box::new([0u8; 1 << 15]);
-        for (bits, slot) in t.iter_mut().enumerate() {
-            *slot = e4m3::from_f32_saturating(f32::from_bits((bits as u32) << 16));
-        }
-        t
-    })
-}
-
 /// MXFP8-quantizes a row-major BF16 matrix `[rows, k]` (little-endian bytes) along K:
 /// `elements` gets `[rows, k]` E4M3 bytes, `scales` gets `[rows, k/32]` UE8M0 bytes.
 /// NaN or infinity is an error naming the row and column. Bit-identical to
@@ -132,48 +119,96 @@ pub fn quantize_bf16_rows(
     elements: &mut Vec<u8>,
     scales: &mut Vec<u8>,
 ) -> Result<(), KernelError> {
+    quantize_bf16_ordered(bf16, rows, k, rule, BlockOrder::Identity, elements, scales)
+}
+
+/// [`quantize_bf16_rows`] writing straight into a permuted layout: block by block, each
+/// destination block quantizes the source block `order` names. Because permutations move
+/// whole 32-element blocks, this equals quantizing, then permuting, bit for bit. Errors name
+/// the source (checkpoint-order) row and column.
+pub fn quantize_bf16_ordered(
+    bf16: &[u8],
+    rows: usize,
+    k: usize,
+    rule: ScaleRule,
+    order: BlockOrder<'_>,
+    elements: &mut Vec<u8>,
+    scales: &mut Vec<u8>,
+) -> Result<(), KernelError> {
     if !k.is_multiple_of(BLOCK) || bf16.len() != rows * k * 2 {
         return Err(KernelError::Shape(format!("BF16 matrix of {} bytes is not [{rows}, {k}] with K a multiple of {BLOCK}", bf16.len())));
     }
-    let table = bf16_to_e4m3_table();
+    let blocks = k / BLOCK;
+    match order {
+        BlockOrder::Rows(p) if p.len() != rows => {
+            return Err(KernelError::Shape(format!("row permutation of {} rows applied to {rows}", p.len())));
+        }
+        BlockOrder::Chunks(p) if p.len() != blocks => {
+            return Err(KernelError::Shape(format!("block permutation of {} blocks applied to {blocks} per row", p.len())));
+        }
+        _ => {}
+    }
     // Every byte is overwritten below: no need to clear first.
     elements.resize(rows * k, 0);
-    scales.resize(rows * (k / BLOCK), 0);
-    let mut block = [0u16; BLOCK];
-    for (b, ((src, dst), scale)) in bf16.chunks_exact(BLOCK * 2).zip(elements.chunks_exact_mut(BLOCK)).zip(scales.iter_mut()).enumerate() {
-        let mut amax = 0u16;
-        for (slot, pair) in block.iter_mut().zip(src.chunks_exact(2)) {
-            *slot = u16::from_le_bytes([pair[0], pair[1]]);
-            amax = amax.max(*slot & 0x7FFF);
+    scales.resize(rows * blocks, 0);
+    for (row, (dst_row, scale_row)) in elements.chunks_exact_mut(k).zip(scales.chunks_exact_mut(blocks)).enumerate() {
+        let src_row = match order {
+            BlockOrder::Rows(p) => p.as_slice()[row] as usize,
+            _ => row,
+        };
+        let src_row_bytes = &bf16[src_row * k * 2..(src_row + 1) * k * 2];
+        for (j, (dst, scale)) in dst_row.chunks_exact_mut(BLOCK).zip(scale_row.iter_mut()).enumerate() {
+            let src_j = match order {
+                BlockOrder::Chunks(p) => p.as_slice()[j] as usize,
+                _ => j,
+            };
+            let src: &[u8; BLOCK * 2] = src_row_bytes[src_j * BLOCK * 2..(src_j + 1) * BLOCK * 2].try_into().expect("a whole block");
+            *scale = quantize_bf16_block(src, rule, dst).map_err(|at| KernelError::NonFinite { row: src_row, col: src_j * BLOCK + at })?;
         }
-        if amax >= 0x7F80 {
-            let at = block.iter().position(|h| h & 0x7F80 == 0x7F80).unwrap_or(0);
-            return Err(non_finite_at(b * BLOCK + at, k));
-        }
-        if amax == 0 {
-            dst.fill(0);
-            *scale = 0;
-            continue;
-        }
-        let e = scale_exponent(f32::from_bits((amax as u32) << 16), rule);
-        let shift = e * 128; // the scale's exponent in BF16 exponent-field units
-        if block.iter().all(|&h| h & 0x7F80 != 0) {
-            // All normal: scaling lowers the exponent field; at or below exponent 0 the scaled
-            // value is under 2^-126 and the table (whose subnormal entries are 0) gives zero.
-            for (o, &h) in dst.iter_mut().zip(&block) {
-                let adjusted = ((h & 0x7FFF) as i32 - shift).clamp(0, 0x7FFF) as usize;
-                *o = ((h >> 8) & 0x80) as u8 | table[adjusted];
-            }
-        } else {
-            // Zeros or subnormals in the block: convert exactly.
-            let inv = e8m0::pow2(-e);
-            for (o, &h) in dst.iter_mut().zip(&block) {
-                *o = e4m3::from_f32_saturating(f32::from_bits((h as u32) << 16) * inv);
-            }
-        }
-        *scale = (e + e8m0::BIAS) as u8;
     }
     Ok(())
+}
+
+/// Quantizes one block of 32 BF16 values; returns its scale byte, or the index of a NaN or
+/// infinite value.
+#[inline]
+fn quantize_bf16_block(src: &[u8; BLOCK * 2], rule: ScaleRule, dst: &mut [u8]) -> Result<u8, usize> {
+    let mut block = [0u16; BLOCK];
+    for (i, slot) in block.iter_mut().enumerate() {
+        *slot = u16::from_le_bytes([src[2 * i], src[2 * i + 1]]);
+    }
+    let amax = block.iter().fold(0u16, |m, &h| m.max(h & 0x7FFF));
+    if amax >= 0x7F80 {
+        return Err(block.iter().position(|h| h & 0x7F80 == 0x7F80).unwrap_or(0));
+    }
+    if amax == 0 {
+        dst.fill(0);
+        return Ok(0);
+    }
+    let e = scale_exponent(f32::from_bits((amax as u32) << 16), rule);
+    // Scaled exponent t = E - 127 - e of each element. For t >= -6 the result is an E4M3
+    // normal: exponent t + 7 and the 7 mantissa bits rounded to 3 (nearest even; a carry
+    // bumps the exponent), saturated at 0x7E. This runs on 16-bit lanes without branches.
+    let bias_e = (127 + e) as i16;
+    let mut needs_exact = false;
+    for (o, &h) in dst.iter_mut().zip(&block) {
+        let mag = (h & 0x7FFF) as i16;
+        let t = (mag >> 7) - bias_e;
+        needs_exact |= (mag >> 7 == 0) | (t < -6);
+        // All in i16 (x <= 16 << 7 | 127), so SSE2 has every operation.
+        let x = ((t.clamp(-6, 9) + 7) << 7) | (h & 0x7F) as i16;
+        let (q, rem) = (x >> 4, x & 0xF);
+        let up = ((rem > 8) | ((rem == 8) & (q & 1 == 1))) as i16;
+        *o = ((q + up).min(0x7E) as u8) | ((h >> 8) & 0x80) as u8;
+    }
+    if needs_exact {
+        // Zeros, subnormal inputs or results below E4M3's normal range: convert exactly.
+        let inv = e8m0::pow2(-e);
+        for (o, &h) in dst.iter_mut().zip(&block) {
+            *o = e4m3::from_f32_saturating(f32::from_bits((h as u32) << 16) * inv);
+        }
+    }
+    Ok((e + e8m0::BIAS) as u8)
 }
 
 /// MXFP8-quantizes a row-major f32 matrix `[rows, k]` along K (activations, references).

@@ -55,7 +55,7 @@ use std::marker::PhantomData;
 use crate::backend::{Backend, BufferPool};
 use crate::digest::Digest;
 use crate::mxfp8::{BLOCK, ScaleRule};
-use crate::permutation::{O_CHUNK, Permutation};
+use crate::permutation::{BlockOrder, O_CHUNK, Permutation};
 use crate::{KernelError, e4m3, e8m0, layout};
 
 /// Layout state: rows and columns in checkpoint order (scales already one per row).
@@ -207,7 +207,7 @@ impl<B: Backend, P> Mx<B, P, CheckpointOrder> {
         rule: ScaleRule,
         pool: &mut BufferPool<B>,
     ) -> Result<Self, KernelError> {
-        let (w, s) = load_source(backend, source, rows, k, rule, None, pool)?;
+        let (w, s) = load_source(backend, source, rows, k, rule, BlockOrder::Identity, pool)?;
         Ok(mx(w, s, rows, k))
     }
 
@@ -251,10 +251,10 @@ impl<B: Backend> Mx<B, WqB, CheckpointOrder> {
 }
 
 impl<B: Backend> Mx<B, WqB, Fused> {
-    /// Reads an FP8 source straight into the fused Q layout: the rows are gathered by the Q
-    /// permutation on the way in, so the checkpoint-order weight is never materialized. Bit for
-    /// bit the same as `Mx::from_source(..)?.permute(..)` (tested); a BF16 source is quantized
-    /// first, then permuted.
+    /// Reads a source straight into the fused Q layout: FP8 rows are gathered by the Q
+    /// permutation on the way in, BF16 rows are quantized into their fused positions, so the
+    /// checkpoint-order matrix is never materialized. Bit for bit the same as
+    /// `Mx::from_source(..)?.permute(..)` (tested).
     pub fn from_source_permuted(
         backend: &B,
         source: WeightSource<'_>,
@@ -267,7 +267,7 @@ impl<B: Backend> Mx<B, WqB, Fused> {
         if q.rows().len() != rows {
             return Err(KernelError::Shape(format!("the Q permutation covers {} rows but the shard has {rows}", q.rows().len())));
         }
-        let (w, s) = load_source(backend, source, rows, k, rule, Some(Gather::Rows(q.rows())), pool)?;
+        let (w, s) = load_source(backend, source, rows, k, rule, BlockOrder::Rows(q.rows()), pool)?;
         Ok(mx(w, s, rows, k))
     }
 
@@ -295,8 +295,9 @@ impl<B: Backend> Mx<B, WoA, CheckpointOrder> {
 }
 
 impl<B: Backend> Mx<B, WoA, Fused> {
-    /// Reads an FP8 source straight into the fused O layout (32-column chunks gathered on
-    /// the way in). Bit for bit the same as `Mx::from_source(..)?.permute(..)` (tested).
+    /// Reads a source straight into the fused O layout (32-column chunks gathered, or
+    /// quantized, into place). Bit for bit the same as `Mx::from_source(..)?.permute(..)`
+    /// (tested).
     pub fn from_source_permuted(
         backend: &B,
         source: WeightSource<'_>,
@@ -309,7 +310,7 @@ impl<B: Backend> Mx<B, WoA, Fused> {
         if o.chunks().len() * O_CHUNK != k {
             return Err(KernelError::Shape(format!("the O permutation covers {} columns but wo_a has {k}", o.chunks().len() * O_CHUNK)));
         }
-        let (w, s) = load_source(backend, source, rows, k, rule, Some(Gather::ColumnChunks(o.chunks())), pool)?;
+        let (w, s) = load_source(backend, source, rows, k, rule, BlockOrder::Chunks(o.chunks()), pool)?;
         Ok(mx(w, s, rows, k))
     }
 
@@ -351,14 +352,6 @@ impl<B: Backend> Mx<B, WoB, CheckpointOrder> {
     }
 }
 
-/// A permutation applied while loading.
-enum Gather<'p> {
-    /// Whole rows (weight rows of `k` bytes, scale rows of `k/32`).
-    Rows(&'p Permutation),
-    /// 32-column chunks of every row (scale: single columns).
-    ColumnChunks(&'p Permutation),
-}
-
 /// The source stage of the pipeline: validate, upload (gathering if asked), expand or
 /// quantize. Returns the weight and per-row scale buffers.
 fn load_source<B: Backend>(
@@ -367,7 +360,7 @@ fn load_source<B: Backend>(
     rows: usize,
     k: usize,
     rule: ScaleRule,
-    gather: Option<Gather<'_>>,
+    order: BlockOrder<'_>,
     pool: &mut BufferPool<B>,
 ) -> Result<(B::Buffer, B::Buffer), KernelError> {
     if !k.is_multiple_of(BLOCK) {
@@ -389,20 +382,21 @@ fn load_source<B: Backend>(
             let mut staged = pool.take(backend, block_scale.len());
             let mut per_row = pool.take(backend, rows * c);
             let r = (|| {
-                match &gather {
-                    None => w.upload(backend, &mut weight)?,
-                    Some(Gather::Rows(p)) => backend.upload_gather_runs(w.as_slice(), rows * k, k, p, &mut weight)?,
-                    Some(Gather::ColumnChunks(p)) => backend.upload_gather_runs(w.as_slice(), k, O_CHUNK, p, &mut weight)?,
+                match order {
+                    BlockOrder::Identity => w.upload(backend, &mut weight)?,
+                    BlockOrder::Rows(p) => backend.upload_gather_runs(w.as_slice(), rows * k, k, p, &mut weight)?,
+                    BlockOrder::Chunks(p) => backend.upload_gather_runs(w.as_slice(), k, O_CHUNK, p, &mut weight)?,
                 }
                 backend.upload(block_scale, &mut staged)?;
-                match &gather {
-                    None => backend.expand_block_scales(&staged, rows, k, block, &mut scale),
-                    Some(g) => {
+                match order {
+                    BlockOrder::Identity => backend.expand_block_scales(&staged, rows, k, block, &mut scale),
+                    BlockOrder::Rows(p) => {
                         backend.expand_block_scales(&staged, rows, k, block, &mut per_row)?;
-                        match g {
-                            Gather::Rows(p) => backend.gather_runs(&per_row, rows * c, c, p, &mut scale),
-                            Gather::ColumnChunks(p) => backend.gather_runs(&per_row, c, 1, p, &mut scale),
-                        }
+                        backend.gather_runs(&per_row, rows * c, c, p, &mut scale)
+                    }
+                    BlockOrder::Chunks(p) => {
+                        backend.expand_block_scales(&staged, rows, k, block, &mut per_row)?;
+                        backend.gather_runs(&per_row, c, 1, p, &mut scale)
                     }
                 }
             })();
@@ -421,15 +415,13 @@ fn load_source<B: Backend>(
             check_source_shape("BF16 weight", w.as_slice().len(), rows * k * 2)?;
             let mut weight = pool.take(backend, rows * k);
             let mut scale = pool.take(backend, rows * c);
-            if let Err(e) = backend.quantize_bf16_host(w.as_slice(), rows, k, rule, &mut weight, &mut scale) {
-                pool.give(weight);
-                pool.give(scale);
-                return Err(e);
-            }
-            match gather {
-                None => Ok((weight, scale)),
-                Some(Gather::Rows(p)) => gather_rows(backend, weight, scale, rows, k, p, pool).map(|(w, s, _, _)| (w, s)),
-                Some(Gather::ColumnChunks(p)) => gather_columns(backend, weight, scale, rows, k, p, pool).map(|(w, s, _, _)| (w, s)),
+            match backend.quantize_bf16_host(w.as_slice(), rows, k, rule, order, &mut weight, &mut scale) {
+                Ok(()) => Ok((weight, scale)),
+                Err(e) => {
+                    pool.give(weight);
+                    pool.give(scale);
+                    Err(e)
+                }
             }
         }
     }

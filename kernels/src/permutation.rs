@@ -120,6 +120,19 @@ impl Permutation {
     }
 }
 
+/// A permutation applied while writing a row-major matrix: which source row (or which
+/// 32-element block of the same row) each destination position reads.
+#[derive(Clone, Copy, Debug)]
+pub enum BlockOrder<'p> {
+    /// Checkpoint order: nothing moves.
+    Identity,
+    /// Destination row `f` reads source row `perm[f]` (the Q permutation).
+    Rows(&'p Permutation),
+    /// Destination block `j` of every row reads block `perm[j]` of that row (the O chunk
+    /// permutation; its per-block scales move the same way).
+    Chunks(&'p Permutation),
+}
+
 /// Gathers runs of `run_bytes` bytes inside each row of `row_bytes` bytes:
 /// `dst[row][f] = src[row][perm[f]]` where indices count runs. A row gather is the case of one
 /// "row" spanning the whole buffer; a column gather has `row_bytes` = one matrix row.

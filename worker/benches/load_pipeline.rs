@@ -12,8 +12,15 @@ fn env(name: &str, default: usize) -> usize {
 fn main() -> anyhow::Result<()> {
     // `cargo bench` passes `--bench`; `cargo test --benches` passes nothing: run either way.
     let dir = std::env::var("BENCH_DIR").map(Into::into).unwrap_or_else(|_| std::path::PathBuf::from("../target/bench-ckpt"));
-    let opts =
-        BenchOptions { preset: Preset::Dsv41Flash, layers: env("BENCH_LAYERS", 2), tp_size: env("BENCH_TP", 1), rank: 0, iters: 3, dir };
+    let opts = BenchOptions {
+        preset: Preset::Dsv41Flash,
+        layers: env("BENCH_LAYERS", 2),
+        tp_size: env("BENCH_TP", 1),
+        rank: 0,
+        iters: 3,
+        dir,
+        formats: vec!["fp8".into(), "bf16".into()],
+    };
     let report = run(&opts)?;
     print!("{}", report.render(&opts));
     Ok(())

@@ -25,6 +25,8 @@ pub struct BenchOptions {
     pub rank: usize,
     pub iters: usize,
     pub dir: PathBuf,
+    /// Which storage formats to measure (`fp8`, `bf16`).
+    pub formats: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -90,6 +92,9 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let cases =
         [(WeightFormat::Fp8 { block: opts.preset.fp8_block() }, ScaleRule::Rceil, 0.5), (WeightFormat::Bf16, ScaleRule::Rceil, 0.25)];
     for (format, rule, goal) in cases {
+        if !opts.formats.iter().any(|f| f == format.name()) {
+            continue;
+        }
         let dir = opts.dir.join(format!("{}-{}x{}", opts.preset.name(), format.name(), opts.layers));
         synth(&dir, opts.preset, opts.layers, format)?;
         let source = LoadSource::open_checkpoint(&dir)?;

@@ -34,7 +34,7 @@ where
     let loader = RankLoader::new(backend, source.config(), tp_size, rank, rule)?;
     let weights = loader.load(source)?;
     let t = Instant::now();
-    let rt = roundtrip::check_rank(backend, &weights, source.config().format);
+    let rt = roundtrip::check_rank(backend, &weights, source);
     let rt_s = t.elapsed().as_secs_f64();
     let dump = match dump_dir {
         Some(d) => Some(dump::dump_rank(backend, &weights, d)?),

@@ -118,10 +118,6 @@ pub struct LayerWeights<B: Backend> {
     pub attn_sink: B::Buffer,
     /// Digests of the rank's checkpoint slices as stored, by checkpoint name.
     pub source: Vec<TensorDigest>,
-    /// For BF16 sources, digests of the checkpoint-order MXFP8 matrices (quantized, not yet
-    /// permuted), by parameter: what a round trip must reproduce. (An FP8 round trip is
-    /// checked against the source digests instead.)
-    pub checkpoint_order: Vec<(Param, (Digest, Digest))>,
     /// Digests of the kernel-visible tensors, by parameter name.
     pub kernel: Vec<TensorDigest>,
     pub times: StageTimes,
@@ -301,22 +297,8 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         }
     }
 
-    /// The rows and columns of a checkpoint tensor this rank holds.
     fn slice_of(&self, spec: &TensorSpec) -> (Range<usize>, Range<usize>) {
-        let g = &self.geometry;
-        let s = &self.shard;
-        let (rows, cols) = (spec.rows(), spec.cols());
-        let (bm, bk) = match (self.format, spec.part) {
-            (WeightFormat::Fp8 { block: [bm, bk] }, Part::Scale) => (bm, bk),
-            _ => (1, 1),
-        };
-        let div = |r: Range<usize>, d: usize| r.start / d..r.end / d;
-        match spec.param {
-            Param::WqB => (div(s.wq_b_rows(g), bm), 0..cols),
-            Param::WoA => (div(s.wo_a_rows(g), bm), 0..cols),
-            Param::WoB => (0..rows, div(s.wo_b_cols(g), bk)),
-            Param::AttnSink => (0..1, s.heads()),
-        }
+        rank_slice(&self.geometry, self.format, &self.shard, spec)
     }
 
     /// Loads one layer through the pipeline, reusing `scratch`.
@@ -325,39 +307,16 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         let find = |param, part| specs.iter().find(|s| s.param == param && s.part == part);
         let mut times = StageTimes::default();
         let mut source_digests = Vec::with_capacity(specs.len());
-        let mut checkpoint_order = Vec::with_capacity(3);
 
-        // FP8 rows and chunks are gathered into the fused layouts straight from the source;
-        // BF16 is quantized in checkpoint order (its digests are what a round trip must
-        // reproduce), then permuted.
+        // wq_b and wo_a go straight from the source into their fused layouts (FP8 gathered,
+        // BF16 quantized into place); wo_b is never permuted.
         let rule = self.rule;
         let backend = self.backend;
         let wq_b = {
-            let fused: Mx<B, WqB, Fused> = match self.format {
-                WeightFormat::Fp8 { .. } => {
-                    self.read_matrix(source, Param::WqB, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
-                        Mx::<B, WqB, Fused>::from_source_permuted(backend, src, rows, k, rule, &self.q, pool)
-                    })?
-                }
-                WeightFormat::Bf16 => {
-                    let mx: Mx<B, WqB, CheckpointOrder> = self.read_matrix(
-                        source,
-                        Param::WqB,
-                        &find,
-                        &mut scratch,
-                        &mut source_digests,
-                        &mut times,
-                        |src, rows, k, pool| Mx::from_source(backend, src, rows, k, rule, pool),
-                    )?;
-                    checkpoint_order.push((Param::WqB, mx_digests(backend, &mx, layer, Param::WqB)?));
-                    let t = Instant::now();
-                    let f = mx
-                        .permute(backend, &self.q, &mut scratch.pool)
-                        .map_err(|e| tensor_error(&checkpoint_name(layer, Param::WqB, Part::Weight), None, e))?;
-                    times.pipeline_s += t.elapsed().as_secs_f64();
-                    f
-                }
-            };
+            let fused: Mx<B, WqB, Fused> =
+                self.read_matrix(source, Param::WqB, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
+                    Mx::<B, WqB, Fused>::from_source_permuted(backend, src, rows, k, rule, &self.q, pool)
+                })?;
             let t = Instant::now();
             let k = fused
                 .into_kernel(backend, &mut scratch.pool)
@@ -366,31 +325,10 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             k
         };
         let wo_a = {
-            let fused: Mx<B, WoA, Fused> = match self.format {
-                WeightFormat::Fp8 { .. } => {
-                    self.read_matrix(source, Param::WoA, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
-                        Mx::<B, WoA, Fused>::from_source_permuted(backend, src, rows, k, rule, &self.o, pool)
-                    })?
-                }
-                WeightFormat::Bf16 => {
-                    let mx: Mx<B, WoA, CheckpointOrder> = self.read_matrix(
-                        source,
-                        Param::WoA,
-                        &find,
-                        &mut scratch,
-                        &mut source_digests,
-                        &mut times,
-                        |src, rows, k, pool| Mx::from_source(backend, src, rows, k, rule, pool),
-                    )?;
-                    checkpoint_order.push((Param::WoA, mx_digests(backend, &mx, layer, Param::WoA)?));
-                    let t = Instant::now();
-                    let f = mx
-                        .permute(backend, &self.o, &mut scratch.pool)
-                        .map_err(|e| tensor_error(&checkpoint_name(layer, Param::WoA, Part::Weight), None, e))?;
-                    times.pipeline_s += t.elapsed().as_secs_f64();
-                    f
-                }
-            };
+            let fused: Mx<B, WoA, Fused> =
+                self.read_matrix(source, Param::WoA, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
+                    Mx::<B, WoA, Fused>::from_source_permuted(backend, src, rows, k, rule, &self.o, pool)
+                })?;
             let t = Instant::now();
             let k = fused
                 .into_kernel(backend, self.shard.n_local_groups, &mut scratch.pool)
@@ -403,9 +341,6 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
                 self.read_matrix(source, Param::WoB, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
                     Mx::from_source(backend, src, rows, k, rule, pool)
                 })?;
-            if self.format == WeightFormat::Bf16 {
-                checkpoint_order.push((Param::WoB, mx_digests(backend, &mx, layer, Param::WoB)?));
-            }
             let t = Instant::now();
             let k = mx
                 .into_kernel(backend, &mut scratch.pool)
@@ -456,7 +391,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         });
         times.digest_s += t.elapsed().as_secs_f64();
 
-        Ok(LayerWeights { layer, wq_b, wo_a, wo_b, attn_sink, source: source_digests, checkpoint_order, kernel, times, scratch })
+        Ok(LayerWeights { layer, wq_b, wo_a, wo_b, attn_sink, source: source_digests, kernel, times, scratch })
     }
 
     /// Reads a matrix parameter's slice (weight and, for FP8, block scale), records source
@@ -519,14 +454,27 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
     }
 }
 
+/// The rows and columns of a checkpoint tensor a rank holds (spec section 4); scale tensors
+/// take the block-scaled rows or columns.
+pub fn rank_slice(g: &Geometry, format: WeightFormat, s: &RankShard, spec: &TensorSpec) -> (Range<usize>, Range<usize>) {
+    let (rows, cols) = (spec.rows(), spec.cols());
+    let (bm, bk) = match (format, spec.part) {
+        (WeightFormat::Fp8 { block: [bm, bk] }, Part::Scale) => (bm, bk),
+        _ => (1, 1),
+    };
+    let div = |r: Range<usize>, d: usize| r.start / d..r.end / d;
+    match spec.param {
+        Param::WqB => (div(s.wq_b_rows(g), bm), 0..cols),
+        Param::WoA => (div(s.wo_a_rows(g), bm), 0..cols),
+        Param::WoB => (0..rows, div(s.wo_b_cols(g), bk)),
+        Param::AttnSink => (0..1, s.heads()),
+    }
+}
+
 fn tensor_error(tensor: &str, file: Option<PathBuf>, source: KernelError) -> LoadError {
     LoadError::Tensor { tensor: tensor.to_string(), file, source }
 }
 
 fn digest_of(spec: &TensorSpec, bytes: &[u8], shape: Vec<usize>) -> TensorDigest {
     TensorDigest { name: spec.name.clone(), dtype: dtype_name(spec.dtype), shape, bytes: bytes.len(), digest: Digest::of(bytes) }
-}
-
-fn mx_digests<B: Backend, P, S>(backend: &B, mx: &Mx<B, P, S>, layer: usize, param: Param) -> Result<(Digest, Digest), LoadError> {
-    mx.digests(backend).map_err(|e| tensor_error(&checkpoint_name(layer, param, Part::Weight), None, e))
 }

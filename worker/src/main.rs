@@ -92,6 +92,9 @@ struct BenchArgs {
     rank: usize,
     #[arg(long, default_value_t = 3)]
     iters: usize,
+    /// Storage formats to measure.
+    #[arg(long, value_delimiter = ',', default_value = "fp8,bf16")]
+    formats: Vec<String>,
     /// Where the benchmark checkpoints are synthesized (kept for later runs).
     #[arg(long, default_value = "target/bench-ckpt")]
     dir: PathBuf,
@@ -175,6 +178,7 @@ fn main() -> ExitCode {
                 rank: args.rank,
                 iters: args.iters,
                 dir: args.dir.clone(),
+                formats: args.formats.clone(),
             };
             let report = bench::run(&opts)?;
             if args.json {

@@ -1,15 +1,18 @@
 //! The round-trip check: inverse hooks, then inverse permutation, of the kernel tensors must
 //! reproduce the rank's checkpoint-order data: for FP8 the stored slices themselves (weights,
-//! and the block scales recompressed from the per-row scales), for BF16 the checkpoint-order
-//! MXFP8 matrices recorded during load.
+//! and the block scales recompressed from the per-row scales), for BF16 the MXFP8
+//! quantization of the stored slices, recomputed here in checkpoint order with the plain
+//! (unpermuted) quantizer.
 
+use orchestrator_kernels::mxfp8::quantize_bf16_rows;
 use orchestrator_kernels::params::{CheckpointOrder, Mx, OPermutation, QPermutation};
-use orchestrator_kernels::{Backend, BufferPool, Digest, KernelError};
-use orchestrator_model::names::checkpoint_name;
+use orchestrator_kernels::{Backend, BufferPool, Digest, KernelError, ScaleRule};
+use orchestrator_model::names::{checkpoint_name, layer_tensors};
 use orchestrator_model::{Param, Part, WeightFormat};
 use serde::Serialize;
 
-use crate::loader::{LayerWeights, RankWeights};
+use crate::loader::{LayerWeights, RankWeights, rank_slice};
+use crate::source::LoadSource;
 
 /// The verdict of a round trip.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
@@ -20,8 +23,9 @@ pub struct RoundTrip {
     pub failures: Vec<String>,
 }
 
-/// Runs the round trip for every layer of a rank.
-pub fn check_rank<B: Backend>(backend: &B, weights: &RankWeights<B>, format: WeightFormat) -> RoundTrip {
+/// Runs the round trip for every layer of a rank against the source it was loaded from.
+pub fn check_rank<B: Backend>(backend: &B, weights: &RankWeights<B>, source: &LoadSource) -> RoundTrip {
+    let format = source.config().format;
     let g = &weights.identity.geometry;
     let mut out = RoundTrip { ok: true, ..Default::default() };
     let perms = QPermutation::new(weights.shard.n_local_heads, g.head_dim).and_then(|q| Ok((q, OPermutation::new(g.head_dim)?)));
@@ -33,9 +37,18 @@ pub fn check_rank<B: Backend>(backend: &B, weights: &RankWeights<B>, format: Wei
             return out;
         }
     };
+    let rule: ScaleRule = match weights.identity.scale_rule.parse() {
+        Ok(r) => r,
+        Err(e) => {
+            out.ok = false;
+            out.failures.push(e);
+            return out;
+        }
+    };
+    let ctx = Context { backend, weights, source, format, rule };
     let mut pool = BufferPool::<B>::default();
     for layer in &weights.layers {
-        if let Err(e) = check_layer(backend, layer, format, &q, &o, &mut pool, &mut out) {
+        if let Err(e) = check_layer(&ctx, layer, &q, &o, &mut pool, &mut out) {
             out.failures.push(format!("layer {}: {e}", layer.layer));
         }
     }
@@ -43,24 +56,31 @@ pub fn check_rank<B: Backend>(backend: &B, weights: &RankWeights<B>, format: Wei
     out
 }
 
-fn check_layer<B: Backend>(
-    backend: &B,
-    layer: &LayerWeights<B>,
+struct Context<'a, B: Backend> {
+    backend: &'a B,
+    weights: &'a RankWeights<B>,
+    source: &'a LoadSource,
     format: WeightFormat,
+    rule: ScaleRule,
+}
+
+fn check_layer<B: Backend>(
+    ctx: &Context<'_, B>,
+    layer: &LayerWeights<B>,
     q: &QPermutation,
     o: &OPermutation,
     pool: &mut BufferPool<B>,
     out: &mut RoundTrip,
 ) -> Result<(), KernelError> {
-    let l = layer.layer;
+    let (l, backend) = (layer.layer, ctx.backend);
     let wq_b = layer.wq_b.unhook_wq_b(backend, pool)?.unpermute(backend, q, pool)?;
-    compare(backend, layer, Param::WqB, &wq_b, format, out)?;
+    compare(ctx, layer, Param::WqB, &wq_b, out)?;
     wq_b.recycle(pool);
     let wo_a = layer.wo_a.unhook_wo_a(backend, pool)?.unpermute(backend, o, pool)?;
-    compare(backend, layer, Param::WoA, &wo_a, format, out)?;
+    compare(ctx, layer, Param::WoA, &wo_a, out)?;
     wo_a.recycle(pool);
     let wo_b = layer.wo_b.unhook_wo_b(backend, pool)?;
-    compare(backend, layer, Param::WoB, &wo_b, format, out)?;
+    compare(ctx, layer, Param::WoB, &wo_b, out)?;
     wo_b.recycle(pool);
     let sink = checkpoint_name(l, Param::AttnSink, Part::Weight);
     let got = backend.digest(&layer.attn_sink)?;
@@ -82,16 +102,16 @@ fn expect_digest(out: &mut RoundTrip, what: &str, want: Option<Digest>, got: Dig
 }
 
 fn compare<B: Backend, P>(
-    backend: &B,
+    ctx: &Context<'_, B>,
     layer: &LayerWeights<B>,
     param: Param,
     back: &Mx<B, P, CheckpointOrder>,
-    format: WeightFormat,
     out: &mut RoundTrip,
 ) -> Result<(), KernelError> {
+    let backend = ctx.backend;
     let wname = checkpoint_name(layer.layer, param, Part::Weight);
     let (wd, sd) = back.digests(backend)?;
-    match format {
+    match ctx.format {
         WeightFormat::Fp8 { block } => {
             expect_digest(out, &wname, source_digest(layer, &wname), wd);
             let sname = checkpoint_name(layer.layer, param, Part::Scale);
@@ -104,9 +124,28 @@ fn compare<B: Backend, P>(
             }
         }
         WeightFormat::Bf16 => {
-            let recorded = layer.checkpoint_order.iter().find(|(p, _)| *p == param).map(|(_, d)| *d);
-            expect_digest(out, &format!("{wname} (MXFP8 elements)"), recorded.map(|r| r.0), wd);
-            expect_digest(out, &format!("{wname} (MXFP8 scales)"), recorded.map(|r| r.1), sd);
+            // Re-read the slice and quantize it plainly, in checkpoint order.
+            let g = &ctx.weights.identity.geometry;
+            let spec = layer_tensors(g, ctx.format, layer.layer).into_iter().find(|s| s.param == param && s.part == Part::Weight);
+            let Some(spec) = spec else {
+                out.failures.push(format!("{wname}: not a tensor of this geometry"));
+                return Ok(());
+            };
+            let (rows, cols) = rank_slice(g, ctx.format, &ctx.weights.shard, &spec);
+            let (n_rows, n_cols) = (rows.len(), cols.len());
+            let mut staging = Vec::new();
+            let want = ctx.source.fetch(&spec, rows, cols, &mut staging).map_err(|e| KernelError::Layout(e.to_string())).and_then(|f| {
+                let (mut e, mut s) = (Vec::new(), Vec::new());
+                quantize_bf16_rows(f.bytes(&staging), n_rows, n_cols, ctx.rule, &mut e, &mut s)?;
+                Ok((Digest::of(&e), Digest::of(&s)))
+            });
+            match want {
+                Ok((we, ws)) => {
+                    expect_digest(out, &format!("{wname} (MXFP8 elements)"), Some(we), wd);
+                    expect_digest(out, &format!("{wname} (MXFP8 scales)"), Some(ws), sd);
+                }
+                Err(e) => out.failures.push(format!("{wname}: re-reading the source: {e}")),
+            }
         }
     }
     Ok(())

@@ -57,7 +57,7 @@ fn check_python_fixture(name: &str) {
             case["source"].as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string())).collect();
         assert_eq!(src, want_src, "{what}: source digests");
         assert_eq!(w.source_rank_digest().hex(), case["source_rank_digest"].as_str().unwrap(), "{what}");
-        assert!(check_rank(&CpuBackend, &w, source.config().format).ok, "{what}: round trip");
+        assert!(check_rank(&CpuBackend, &w, &source).ok, "{what}: round trip");
 
         // The dump holds exactly the kernel bytes, dtypes and shapes.
         let out = tempfile::tempdir().unwrap();
@@ -113,7 +113,7 @@ fn dummy_load_equals_real_load_at_every_tp_size() {
                 assert_eq!(digests_by_name(&a), digests_by_name(&b), "{format:?} tp {tp} rank {rank}");
                 assert_eq!(a.source_rank_digest(), b.source_rank_digest());
                 assert_eq!(a.identity, b.identity);
-                assert!(check_rank(&CpuBackend, &a, format).ok);
+                assert!(check_rank(&CpuBackend, &a, &real).ok);
             }
         }
         // Different seeds give different weights.
@@ -149,7 +149,7 @@ fn reload_permutes_again_into_the_same_buffers() {
     }
     let fresh = loader.load(&v2).unwrap();
     assert_eq!(digests_by_name(&w), digests_by_name(&fresh));
-    assert!(check_rank(&CpuBackend, &w, v2.config().format).ok);
+    assert!(check_rank(&CpuBackend, &w, &v2).ok);
     // Reloading version 1 again gives version 1's digests back.
     let again = loader.reload(w, &v1).unwrap();
     assert_eq!(again.kernel_rank_digest(), loader.load(&v1).unwrap().kernel_rank_digest());
@@ -172,5 +172,5 @@ fn dsv41_flash_tp4_kernel_shapes() {
     assert_eq!(shape("layers.0.attn.wo_b.weight"), ("F8_E4M3", vec![5120, 2048]));
     assert_eq!(shape("layers.0.attn.wo_b.weight_scale"), ("F8_E8M0", vec![5120 * 64]));
     assert_eq!(shape("layers.0.attn.attn_sink"), ("F32", vec![16]));
-    assert!(check_rank(&CpuBackend, &w, source.config().format).ok);
+    assert!(check_rank(&CpuBackend, &w, &source).ok);
 }

@@ -1,0 +1,67 @@
+//! A reload replays the pipeline into the rank's existing buffers: after the first load, a
+//! reload of the same shapes allocates no large buffer at all (counted by a global allocator;
+//! this file holds one test so nothing else allocates meanwhile).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use orchestrator_kernels::{CpuBackend, ScaleRule};
+use orchestrator_model::synth::{SynthOptions, write_checkpoint};
+use orchestrator_model::{Generator, ModelConfig, Preset, WeightFormat};
+use orchestrator_worker::{LoadSource, RankLoader};
+
+struct Counting;
+
+static LARGE_ALLOCS: AtomicUsize = AtomicUsize::new(0);
+const LARGE: usize = 64 * 1024;
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if layout.size() >= LARGE {
+            LARGE_ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if new_size >= LARGE {
+            LARGE_ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+#[test]
+fn reloads_allocate_no_large_buffers() {
+    let mut geometry = Preset::Tiny.geometry();
+    geometry.layers = 2;
+    for format in [WeightFormat::Fp8 { block: [32, 32] }, WeightFormat::Bf16] {
+        let config = ModelConfig { family: Preset::Tiny.family(), geometry: geometry.clone(), format };
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ckpt");
+        write_checkpoint(&dir, &SynthOptions { config: config.clone(), seed: 3, max_shard_bytes: 1 << 30, preset_name: None }).unwrap();
+        let sources = [LoadSource::open_checkpoint(&dir).unwrap(), LoadSource::Dummy { config, generator: Generator::new(4) }];
+        for source in &sources {
+            for (tp, rank) in [(1, 0), (2, 1), (8, 5)] {
+                let loader = RankLoader::new(&CpuBackend, source.config(), tp, rank, ScaleRule::Rceil).unwrap();
+                let mut w = loader.load(source).unwrap();
+                for _ in 0..2 {
+                    let before = LARGE_ALLOCS.load(Ordering::Relaxed);
+                    w = loader.reload(w, source).unwrap();
+                    let during = LARGE_ALLOCS.load(Ordering::Relaxed) - before;
+                    assert_eq!(
+                        during,
+                        0,
+                        "{format:?} {} tp {tp} rank {rank}: a reload made {during} allocations of >= {LARGE} bytes",
+                        source.format_name()
+                    );
+                }
+            }
+        }
+    }
+}
