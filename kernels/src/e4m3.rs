@@ -34,6 +34,20 @@ pub fn find_nan(bytes: &[u8]) -> Option<usize> {
     words.remainder().iter().position(|&b| is_nan(b)).map(|i| base + i)
 }
 
+/// XXH3-64 of E4M3 bytes, checking them for NaN in the same pass (in cache-sized chunks, so
+/// the bytes are read from memory once): the digest, or the position of the first NaN byte.
+pub fn digest_nan_free(bytes: &[u8]) -> Result<crate::Digest, usize> {
+    const CHUNK: usize = 256 * 1024;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for (i, chunk) in bytes.chunks(CHUNK).enumerate() {
+        if let Some(at) = find_nan(chunk) {
+            return Err(i * CHUNK + at);
+        }
+        hasher.update(chunk);
+    }
+    Ok(crate::Digest(hasher.digest()))
+}
+
 /// Decodes one E4M3fn byte exactly (NaN bytes decode to NaN).
 #[inline]
 pub fn to_f32(byte: u8) -> f32 {
@@ -140,6 +154,15 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn digest_nan_free_matches_plain_digest_and_finds_nan() {
+        let clean: Vec<u8> = (0..200_000u32).map(|i| (i % 120) as u8).collect();
+        assert_eq!(digest_nan_free(&clean), Ok(crate::Digest::of(&clean)));
+        let mut bad = clean.clone();
+        bad[150_001] = 0xFF;
+        assert_eq!(digest_nan_free(&bad), Err(150_001));
     }
 
     #[test]

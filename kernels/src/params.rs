@@ -104,6 +104,15 @@ pub enum WeightSource<'a> {
     Bf16 { weight: HostBytes<'a> },
 }
 
+/// Digests of the source bytes as stored (spec section 9's source digest), computed by the
+/// source stage while it validates them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SourceDigests {
+    pub weight: Digest,
+    /// FP8 only: the block scale.
+    pub block_scale: Option<Digest>,
+}
+
 /// The Q row permutation of one rank's `wq_b` shard.
 #[derive(Clone, Debug)]
 pub struct QPermutation {
@@ -206,9 +215,9 @@ impl<B: Backend, P> Mx<B, P, CheckpointOrder> {
         k: usize,
         rule: ScaleRule,
         pool: &mut BufferPool<B>,
-    ) -> Result<Self, KernelError> {
-        let (w, s) = load_source(backend, source, rows, k, rule, BlockOrder::Identity, pool)?;
-        Ok(mx(w, s, rows, k))
+    ) -> Result<(Self, SourceDigests), KernelError> {
+        let (w, s, d) = load_source(backend, source, rows, k, rule, BlockOrder::Identity, pool)?;
+        Ok((mx(w, s, rows, k), d))
     }
 
     /// The block scale `[rows/bm, k/bk]` these per-row scales were expanded from; an error if
@@ -263,12 +272,12 @@ impl<B: Backend> Mx<B, WqB, Fused> {
         rule: ScaleRule,
         q: &QPermutation,
         pool: &mut BufferPool<B>,
-    ) -> Result<Self, KernelError> {
+    ) -> Result<(Self, SourceDigests), KernelError> {
         if q.rows().len() != rows {
             return Err(KernelError::Shape(format!("the Q permutation covers {} rows but the shard has {rows}", q.rows().len())));
         }
-        let (w, s) = load_source(backend, source, rows, k, rule, BlockOrder::Rows(q.rows()), pool)?;
-        Ok(mx(w, s, rows, k))
+        let (w, s, d) = load_source(backend, source, rows, k, rule, BlockOrder::Rows(q.rows()), pool)?;
+        Ok((mx(w, s, rows, k), d))
     }
 
     /// Inverse of [`Mx::permute`] (for round-trip checks).
@@ -306,12 +315,12 @@ impl<B: Backend> Mx<B, WoA, Fused> {
         rule: ScaleRule,
         o: &OPermutation,
         pool: &mut BufferPool<B>,
-    ) -> Result<Self, KernelError> {
+    ) -> Result<(Self, SourceDigests), KernelError> {
         if o.chunks().len() * O_CHUNK != k {
             return Err(KernelError::Shape(format!("the O permutation covers {} columns but wo_a has {k}", o.chunks().len() * O_CHUNK)));
         }
-        let (w, s) = load_source(backend, source, rows, k, rule, BlockOrder::Chunks(o.chunks()), pool)?;
-        Ok(mx(w, s, rows, k))
+        let (w, s, d) = load_source(backend, source, rows, k, rule, BlockOrder::Chunks(o.chunks()), pool)?;
+        Ok((mx(w, s, rows, k), d))
     }
 
     /// Inverse of [`Mx::permute`].
@@ -362,7 +371,7 @@ fn load_source<B: Backend>(
     rule: ScaleRule,
     order: BlockOrder<'_>,
     pool: &mut BufferPool<B>,
-) -> Result<(B::Buffer, B::Buffer), KernelError> {
+) -> Result<(B::Buffer, B::Buffer, SourceDigests), KernelError> {
     if !k.is_multiple_of(BLOCK) {
         return Err(KernelError::Shape(format!("K = {k} is not a multiple of {BLOCK}")));
     }
@@ -374,9 +383,9 @@ fn load_source<B: Backend>(
                 let cols = (k / block[1].max(1)).max(1);
                 return Err(KernelError::NanScale { row: at / cols, col: at % cols });
             }
-            if let Some(at) = e4m3::find_nan(w.as_slice()) {
-                return Err(KernelError::NonFinite { row: at / k, col: at % k });
-            }
+            // One pass validates and digests the stored bytes.
+            let weight_digest = e4m3::digest_nan_free(w.as_slice()).map_err(|at| KernelError::NonFinite { row: at / k, col: at % k })?;
+            let digests = SourceDigests { weight: weight_digest, block_scale: Some(Digest::of(block_scale)) };
             let mut weight = pool.take(backend, rows * k);
             let mut scale = pool.take(backend, rows * c);
             let mut staged = pool.take(backend, block_scale.len());
@@ -403,7 +412,7 @@ fn load_source<B: Backend>(
             pool.give(staged);
             pool.give(per_row);
             match r {
-                Ok(()) => Ok((weight, scale)),
+                Ok(()) => Ok((weight, scale, digests)),
                 Err(e) => {
                     pool.give(weight);
                     pool.give(scale);
@@ -412,11 +421,12 @@ fn load_source<B: Backend>(
             }
         }
         WeightSource::Bf16 { weight: w } => {
+            let digests = SourceDigests { weight: Digest::of(w.as_slice()), block_scale: None };
             check_source_shape("BF16 weight", w.as_slice().len(), rows * k * 2)?;
             let mut weight = pool.take(backend, rows * k);
             let mut scale = pool.take(backend, rows * c);
             match backend.quantize_bf16_host(w.as_slice(), rows, k, rule, order, &mut weight, &mut scale) {
-                Ok(()) => Ok((weight, scale)),
+                Ok(()) => Ok((weight, scale, digests)),
                 Err(e) => {
                     pool.give(weight);
                     pool.give(scale);

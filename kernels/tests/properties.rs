@@ -147,8 +147,8 @@ mod fused_load {
             let s = bytes(rows / 32 * 2, seed, |x| 110 + (x % 8) as u8);
             let q = QPermutation::new(heads8 * 8, 512).unwrap();
             let src = || WeightSource::Fp8 { weight: HostBytes::Borrowed(&w), block_scale: &s, block: [32, 32] };
-            let a = Mx::<CpuBackend, WqB, Fused>::from_source_permuted(&cpu, src(), rows, k, ScaleRule::Rceil, &q, &mut pool).unwrap();
-            let b = Mx::<CpuBackend, WqB, CheckpointOrder>::from_source(&cpu, src(), rows, k, ScaleRule::Rceil, &mut pool).unwrap().permute(&cpu, &q, &mut pool).unwrap();
+            let a = Mx::<CpuBackend, WqB, Fused>::from_source_permuted(&cpu, src(), rows, k, ScaleRule::Rceil, &q, &mut pool).unwrap().0;
+            let b = Mx::<CpuBackend, WqB, CheckpointOrder>::from_source(&cpu, src(), rows, k, ScaleRule::Rceil, &mut pool).unwrap().0.permute(&cpu, &q, &mut pool).unwrap();
             prop_assert_eq!(a.to_host(&cpu).unwrap(), b.to_host(&cpu).unwrap());
             // wo_a: [64, 4096].
             let (rows, k) = (64, 4096);
@@ -156,8 +156,8 @@ mod fused_load {
             let s = bytes(rows / 32 * 128, seed ^ 1, |x| 110 + (x % 8) as u8);
             let o = OPermutation::new(512).unwrap();
             let src = || WeightSource::Fp8 { weight: HostBytes::Borrowed(&w), block_scale: &s, block: [32, 32] };
-            let a = Mx::<CpuBackend, WoA, Fused>::from_source_permuted(&cpu, src(), rows, k, ScaleRule::Rceil, &o, &mut pool).unwrap();
-            let b = Mx::<CpuBackend, WoA, CheckpointOrder>::from_source(&cpu, src(), rows, k, ScaleRule::Rceil, &mut pool).unwrap().permute(&cpu, &o, &mut pool).unwrap();
+            let a = Mx::<CpuBackend, WoA, Fused>::from_source_permuted(&cpu, src(), rows, k, ScaleRule::Rceil, &o, &mut pool).unwrap().0;
+            let b = Mx::<CpuBackend, WoA, CheckpointOrder>::from_source(&cpu, src(), rows, k, ScaleRule::Rceil, &mut pool).unwrap().0.permute(&cpu, &o, &mut pool).unwrap();
             prop_assert_eq!(a.to_host(&cpu).unwrap(), b.to_host(&cpu).unwrap());
         }
     }

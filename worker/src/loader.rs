@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use orchestrator_kernels::params::{
-    CheckpointOrder, Fused, HostBytes, KernelTensor, Mx, OPermutation, QPermutation, WeightSource, WoA, WoB, WqB,
+    CheckpointOrder, Fused, HostBytes, KernelTensor, Mx, OPermutation, QPermutation, SourceDigests, WeightSource, WoA, WoB, WqB,
 };
 use orchestrator_kernels::{Backend, BufferPool, Digest, KernelError, ScaleRule};
 use orchestrator_model::names::{checkpoint_name, kernel_name, layer_tensors};
@@ -394,9 +394,9 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         Ok(LayerWeights { layer, wq_b, wo_a, wo_b, attn_sink, source: source_digests, kernel, times, scratch })
     }
 
-    /// Reads a matrix parameter's slice (weight and, for FP8, block scale), records source
-    /// digests, and hands the bytes to `build` (a pipeline constructor), mapping its errors to
-    /// the tensor and absolute checkpoint position.
+    /// Fetches a matrix parameter's slice (weight and, for FP8, block scale), hands the bytes
+    /// to `build` (a pipeline constructor, which validates and digests them as stored), records
+    /// the source digests, and maps errors to the tensor and absolute checkpoint position.
     #[allow(clippy::too_many_arguments)]
     fn read_matrix<'s, T>(
         &self,
@@ -406,7 +406,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         scratch: &mut LayerScratch<B>,
         digests: &mut Vec<TensorDigest>,
         times: &mut StageTimes,
-        build: impl FnOnce(WeightSource<'_>, usize, usize, &mut BufferPool<B>) -> Result<T, KernelError>,
+        build: impl FnOnce(WeightSource<'_>, usize, usize, &mut BufferPool<B>) -> Result<(T, SourceDigests), KernelError>,
     ) -> Result<T, LoadError> {
         let t = Instant::now();
         let wspec = find(param, Part::Weight).expect("every layer has the weight");
@@ -416,7 +416,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         let slot = param_slot(param);
         let fetched = source.fetch(wspec, rows, cols, &mut scratch.host_weight[slot])?;
         let wfile = fetched.file();
-        digests.push(digest_of(wspec, fetched.bytes(&scratch.host_weight[slot]), vec![n_rows, n_cols]));
+        let wbytes = fetched.bytes(&scratch.host_weight[slot]).len();
         let mut scale_ctx = None;
         if let WeightFormat::Fp8 { .. } = self.format {
             let sspec = find(param, Part::Scale).expect("FP8 layers have scales");
@@ -424,8 +424,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             let shape = vec![srows.len(), scols.len()];
             let origin = (srows.start, scols.start);
             let sfile = source.read(sspec, srows, scols, &mut scratch.host_scale)?;
-            digests.push(digest_of(sspec, &scratch.host_scale, shape));
-            scale_ctx = Some((sspec.name.clone(), sfile, origin));
+            scale_ctx = Some((sspec, sfile, origin, shape));
         }
         times.read_s += t.elapsed().as_secs_f64();
 
@@ -438,9 +437,9 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             WeightFormat::Fp8 { block } => WeightSource::Fp8 { weight, block_scale: &scratch.host_scale, block },
             WeightFormat::Bf16 => WeightSource::Bf16 { weight },
         };
-        let built = build(src, n_rows, n_cols, &mut scratch.pool).map_err(|e| match (e, &scale_ctx) {
-            (KernelError::NanScale { row, col }, Some((name, file, (r0, c0)))) => LoadError::Tensor {
-                tensor: name.clone(),
+        let (built, sd) = build(src, n_rows, n_cols, &mut scratch.pool).map_err(|e| match (e, &scale_ctx) {
+            (KernelError::NanScale { row, col }, Some((sspec, file, (r0, c0), _))) => LoadError::Tensor {
+                tensor: sspec.name.clone(),
                 file: file.clone(),
                 source: KernelError::NanScale { row: row + r0, col: col + c0 },
             },
@@ -450,6 +449,12 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             (other, _) => tensor_error(&wspec.name, wfile.clone(), other),
         })?;
         times.pipeline_s += t.elapsed().as_secs_f64();
+        let dtype = dtype_name(wspec.dtype);
+        digests.push(TensorDigest { name: wspec.name.clone(), dtype, shape: vec![n_rows, n_cols], bytes: wbytes, digest: sd.weight });
+        if let (Some((sspec, _, _, shape)), Some(d)) = (scale_ctx, sd.block_scale) {
+            let bytes = shape.iter().product::<usize>();
+            digests.push(TensorDigest { name: sspec.name.clone(), dtype: dtype_name(sspec.dtype), shape, bytes, digest: d });
+        }
         Ok(built)
     }
 }
