@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use orchestrator_model::inspect::inspect;
 use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
 use orchestrator_model::{Checkpoint, ModelConfig, Preset, WeightFormat};
+use orchestrator_worker::output::emit;
 
 #[derive(Parser)]
 #[command(
@@ -67,6 +68,14 @@ struct InspectArgs {
     json: bool,
 }
 
+/// Appends a formatted line to a String.
+macro_rules! outln {
+    ($out:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($out, $($arg)*);
+    }};
+}
+
 fn synth(a: SynthArgs) -> anyhow::Result<bool> {
     let preset: Preset = a.preset.parse()?;
     let mut geometry = preset.geometry();
@@ -85,8 +94,8 @@ fn synth(a: SynthArgs) -> anyhow::Result<bool> {
     };
     let t = std::time::Instant::now();
     let s = write_checkpoint(&a.out, &opts).with_context(|| format!("synthesizing into {}", a.out.display()))?;
-    println!(
-        "wrote {} ({} {} layers, {}, seed {}): {} tensors, {:.1} MB in {} shard file(s), {:.2} s",
+    emit(&format!(
+        "wrote {} ({} {} layers, {}, seed {}): {} tensors, {:.1} MB in {} shard file(s), {:.2} s\n",
         s.dir.display(),
         preset.name(),
         opts.config.geometry.layers,
@@ -96,7 +105,7 @@ fn synth(a: SynthArgs) -> anyhow::Result<bool> {
         s.total_bytes as f64 / 1e6,
         s.shards.len(),
         t.elapsed().as_secs_f64()
-    );
+    ));
     Ok(true)
 }
 
@@ -104,19 +113,37 @@ fn inspect_cmd(a: InspectArgs) -> anyhow::Result<bool> {
     let ck = Checkpoint::open(&a.dir)?;
     let r = inspect(&ck);
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
+        emit(&format!("{}\n", serde_json::to_string_pretty(&r)?));
         return Ok(r.valid);
     }
+    let mut out = String::new();
     let g = &r.geometry;
-    println!("checkpoint {}", r.dir);
-    println!(
+    outln!(out, "checkpoint {}", r.dir);
+    outln!(
+        out,
         "  family {}  hidden {}  layers {}  heads {} (kv {})  head_dim {}  rope {}  q_lora {}  o_lora {}  o_groups {}",
-        r.family, g.hidden, g.layers, g.heads, g.kv_heads, g.head_dim, g.rope_dim, g.q_lora_rank, g.o_lora_rank, g.o_groups
+        r.family,
+        g.hidden,
+        g.layers,
+        g.heads,
+        g.kv_heads,
+        g.head_dim,
+        g.rope_dim,
+        g.q_lora_rank,
+        g.o_lora_rank,
+        g.o_groups
     );
-    println!("  weights: {}  valid TP sizes: {:?}", r.format, r.valid_tp_sizes);
-    println!("  {} in-scope tensors, {:.1} MB; {} other tensors ignored", r.tensors.len(), r.in_scope_bytes as f64 / 1e6, r.other_tensors);
+    outln!(out, "  weights: {}  valid TP sizes: {:?}", r.format, r.valid_tp_sizes);
+    outln!(
+        out,
+        "  {} in-scope tensors, {:.1} MB; {} other tensors ignored",
+        r.tensors.len(),
+        r.in_scope_bytes as f64 / 1e6,
+        r.other_tensors
+    );
     for t in &r.tensors {
-        println!(
+        outln!(
+            out,
             "  {:<34} {:<8} {:<14} {:>12}  {:<36} {}",
             t.name,
             t.dtype,
@@ -127,13 +154,14 @@ fn inspect_cmd(a: InspectArgs) -> anyhow::Result<bool> {
         );
     }
     if r.valid {
-        println!("valid");
+        outln!(out, "valid");
     } else {
-        println!("INVALID: {} problem(s)", r.problems.len());
+        outln!(out, "INVALID: {} problem(s)", r.problems.len());
         for p in &r.problems {
-            println!("  {p}");
+            outln!(out, "  {p}");
         }
     }
+    emit(&out);
     Ok(r.valid)
 }
 

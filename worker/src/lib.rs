@@ -5,6 +5,7 @@ pub mod bench;
 pub mod dump;
 pub mod identity;
 pub mod loader;
+pub mod output;
 pub mod report;
 pub mod roundtrip;
 pub mod source;

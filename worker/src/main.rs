@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use orchestrator_kernels::{CpuBackend, ScaleRule};
 use orchestrator_model::{Generator, ModelConfig, Preset, WeightFormat};
 use orchestrator_worker::bench::{self, BenchOptions};
+use orchestrator_worker::output::emit;
 use orchestrator_worker::{LoadSource, RankReport, load_and_report};
 
 #[derive(Parser)]
@@ -73,9 +74,9 @@ struct LoadArgs {
     /// Print one JSON document instead of text.
     #[arg(long)]
     json: bool,
-    /// Print every tensor's digest in the text report.
-    #[arg(long, short)]
-    verbose: bool,
+    /// Leave the per-tensor digests out of the text report.
+    #[arg(long)]
+    brief: bool,
     #[arg(long, value_enum, default_value = "cpu")]
     device: Device,
 }
@@ -151,16 +152,16 @@ fn load(args: LoadArgs) -> anyhow::Result<bool> {
         let report = load_and_report(&backend, &source, args.tp, r, args.scale_rule, args.dump.as_deref())
             .with_context(|| format!("rank {r} of TP {}", args.tp))?;
         if !args.json {
-            print!("{}", report.render(args.verbose));
+            emit(&report.render(!args.brief));
         }
         reports.push(report);
     }
     let ok = reports.iter().all(RankReport::ok);
     if args.json {
         let doc = serde_json::json!({ "ok": ok, "tp_size": args.tp, "ranks": reports });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     } else {
-        println!("{}", if ok { "all ranks: round trip ok" } else { "FAILED: a round trip did not reproduce the checkpoint" });
+        emit(if ok { "all ranks: round trip ok\n" } else { "FAILED: a round trip did not reproduce the checkpoint\n" });
     }
     Ok(ok)
 }
@@ -182,9 +183,9 @@ fn main() -> ExitCode {
             };
             let report = bench::run(&opts)?;
             if args.json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
             } else {
-                print!("{}", report.render(&opts));
+                emit(&report.render(&opts));
             }
             Ok(true)
         })(),
