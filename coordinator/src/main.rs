@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use orchestrator_model::inspect::inspect;
 use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
-use orchestrator_model::{Checkpoint, ModelConfig, Preset, WeightFormat};
+use orchestrator_model::{Checkpoint, ModelConfig, Preset};
 use orchestrator_worker::output::emit;
 
 #[derive(Parser)]
@@ -78,27 +78,16 @@ macro_rules! outln {
 
 fn synth(a: SynthArgs) -> anyhow::Result<bool> {
     let preset: Preset = a.preset.parse()?;
-    let mut geometry = preset.geometry();
-    if let Some(l) = a.layers {
-        geometry.layers = l;
-    }
-    let format = match a.dtype {
-        Dtype::Fp8 => WeightFormat::Fp8 { block: preset.fp8_block() },
-        Dtype::Bf16 => WeightFormat::Bf16,
-    };
-    let opts = SynthOptions {
-        config: ModelConfig { family: preset.family(), geometry, format },
-        seed: a.seed,
-        max_shard_bytes: a.max_shard_bytes,
-        preset_name: Some(preset.name().to_string()),
-    };
+    let config = ModelConfig::from_preset(preset, a.layers, matches!(a.dtype, Dtype::Bf16))?;
+    let (layers, format) = (config.geometry.layers, config.format);
+    let opts = SynthOptions { config, seed: a.seed, max_shard_bytes: a.max_shard_bytes, preset_name: Some(preset.name().to_string()) };
     let t = std::time::Instant::now();
     let s = write_checkpoint(&a.out, &opts).with_context(|| format!("synthesizing into {}", a.out.display()))?;
     emit(&format!(
         "wrote {} ({} {} layers, {}, seed {}): {} tensors, {:.1} MB in {} shard file(s), {:.2} s\n",
         s.dir.display(),
         preset.name(),
-        opts.config.geometry.layers,
+        layers,
         format.name(),
         a.seed,
         s.tensors,

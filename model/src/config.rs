@@ -26,6 +26,18 @@ fn field(obj: &Map<String, Value>, name: &'static str, file: &Path) -> Result<us
 }
 
 impl ModelConfig {
+    /// A preset's configuration with `layers` layers (default: the preset's), FP8 with the
+    /// family's block size or BF16; validated.
+    pub fn from_preset(preset: crate::Preset, layers: Option<usize>, bf16: bool) -> Result<Self, ModelError> {
+        let mut geometry = preset.geometry();
+        if let Some(l) = layers {
+            geometry.layers = l;
+        }
+        let format = if bf16 { WeightFormat::Bf16 } else { WeightFormat::Fp8 { block: preset.fp8_block() } };
+        geometry.validate(format.block())?;
+        Ok(Self { family: preset.family(), geometry, format })
+    }
+
     /// Reads and checks `config.json`.
     pub fn read(file: &Path) -> Result<Self, ModelError> {
         let text = std::fs::read_to_string(file).map_err(|source| ModelError::Io { path: file.to_path_buf(), source })?;
@@ -59,11 +71,7 @@ impl ModelConfig {
             Some(Value::Object(q)) => parse_quantization(q).map_err(|why| cfg_err(format!("quantization_config: {why}")))?,
             Some(other) => return Err(cfg_err(format!("`quantization_config` is {other}, expected an object"))),
         };
-        let block = match format {
-            WeightFormat::Fp8 { block } => Some(block),
-            WeightFormat::Bf16 => None,
-        };
-        geometry.validate(block)?;
+        geometry.validate(format.block())?;
         Ok(Self { family, geometry, format })
     }
 

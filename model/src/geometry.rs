@@ -34,6 +34,14 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
+    /// The FP8 block size, if any.
+    pub fn block(&self) -> Option<[usize; 2]> {
+        match *self {
+            WeightFormat::Fp8 { block } => Some(block),
+            WeightFormat::Bf16 => None,
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             WeightFormat::Fp8 { .. } => "fp8",

@@ -78,11 +78,7 @@ fn plan_shards(specs: &[TensorSpec], max: usize) -> Vec<Vec<&TensorSpec>> {
 pub fn write_checkpoint(dir: &Path, opts: &SynthOptions) -> Result<SynthSummary, ModelError> {
     let werr = |path: &Path, why: String| ModelError::Write { path: path.to_path_buf(), why };
     let g = &opts.config.geometry;
-    let block = match opts.config.format {
-        crate::WeightFormat::Fp8 { block } => Some(block),
-        crate::WeightFormat::Bf16 => None,
-    };
-    g.validate(block)?;
+    g.validate(opts.config.format.block())?;
     if dir.exists() && std::fs::read_dir(dir).map_err(|e| werr(dir, e.to_string()))?.next().is_some() {
         return Err(werr(dir, "directory exists and is not empty".into()));
     }

@@ -73,10 +73,8 @@ fn synth(dir: &Path, preset: Preset, layers: usize, format: WeightFormat) -> any
     if dir.join("config.json").exists() {
         return Ok(());
     }
-    let mut geometry = preset.geometry();
-    geometry.layers = layers;
     let opts = SynthOptions {
-        config: ModelConfig { family: preset.family(), geometry, format },
+        config: ModelConfig::from_preset(preset, Some(layers), format == WeightFormat::Bf16)?,
         seed: 1,
         max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
         preset_name: Some(preset.name().to_string()),

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use orchestrator_kernels::{CpuBackend, ScaleRule};
-use orchestrator_model::{Generator, ModelConfig, Preset, WeightFormat};
+use orchestrator_model::{Generator, ModelConfig};
 use orchestrator_worker::bench::{self, BenchOptions};
 use orchestrator_worker::output::emit;
 use orchestrator_worker::{LoadSource, RankReport, load_and_report};
@@ -107,21 +107,8 @@ fn source_of(args: &LoadArgs) -> anyhow::Result<LoadSource> {
     if let Some(dir) = &args.checkpoint {
         return LoadSource::open_checkpoint(dir).with_context(|| format!("opening checkpoint {}", dir.display()));
     }
-    let preset: Preset = args.preset.parse()?;
-    let mut geometry = preset.geometry();
-    if let Some(l) = args.layers {
-        geometry.layers = l;
-    }
-    let format = match args.dtype {
-        DummyDtype::Fp8 => WeightFormat::Fp8 { block: preset.fp8_block() },
-        DummyDtype::Bf16 => WeightFormat::Bf16,
-    };
-    let block = match format {
-        WeightFormat::Fp8 { block } => Some(block),
-        WeightFormat::Bf16 => None,
-    };
-    geometry.validate(block)?;
-    Ok(LoadSource::Dummy { config: ModelConfig { family: preset.family(), geometry, format }, generator: Generator::new(args.seed) })
+    let config = ModelConfig::from_preset(args.preset.parse()?, args.layers, matches!(args.dtype, DummyDtype::Bf16))?;
+    Ok(LoadSource::Dummy { config, generator: Generator::new(args.seed) })
 }
 
 fn check_device(device: Device) -> anyhow::Result<()> {
