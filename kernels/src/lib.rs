@@ -2,12 +2,15 @@
 //! permutations, the kernel layouts of scales, digests, and the typed per-parameter load
 //! pipeline, over a [`Backend`] seam (CPU here; CUDA behind the `cuda` feature).
 
+pub mod attention;
 pub mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod digest;
 pub mod e4m3;
 pub mod e8m0;
+pub mod forward;
+pub mod gemm;
 pub mod layout;
 pub mod mxfp8;
 pub mod params;

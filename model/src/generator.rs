@@ -104,6 +104,12 @@ impl Generator {
         }
     }
 
+    /// `n` values ~N(0, 1) of the stream `name` (probe inputs).
+    pub fn normal_f32(&self, name: &str, n: usize) -> Vec<f32> {
+        let key = self.key(name);
+        (0..n).map(|i| irwin_hall4(mix(key, i as u64))).collect()
+    }
+
     /// The whole tensor.
     pub fn tensor(&self, spec: &TensorSpec) -> Vec<u8> {
         let mut out = vec![0u8; spec.bytes()];

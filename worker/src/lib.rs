@@ -6,6 +6,7 @@ pub mod dump;
 pub mod identity;
 pub mod loader;
 pub mod output;
+pub mod probe;
 pub mod report;
 pub mod roundtrip;
 pub mod source;
@@ -20,7 +21,7 @@ use std::time::Instant;
 
 use orchestrator_kernels::{Backend, ScaleRule};
 
-/// Loads one rank, checks its round trip, optionally dumps it, and reports.
+/// Loads one rank, checks its round trip, optionally dumps it and runs a probe, and reports.
 pub fn load_and_report<B: Backend + Sync>(
     backend: &B,
     source: &LoadSource,
@@ -28,6 +29,7 @@ pub fn load_and_report<B: Backend + Sync>(
     rank: usize,
     rule: ScaleRule,
     dump_dir: Option<&Path>,
+    probe: Option<probe::ProbeSpec>,
 ) -> anyhow::Result<RankReport>
 where
     B::Buffer: Send,
@@ -41,5 +43,9 @@ where
         Some(d) => Some(dump::dump_rank(backend, &weights, d)?),
         None => None,
     };
-    Ok(RankReport::new(backend, &weights, rt, rt_s, dump))
+    let probe = match probe {
+        Some(spec) => Some(probe::probe_rank(&loader, &weights, source, spec, rule)?),
+        None => None,
+    };
+    Ok(RankReport::new(backend, &weights, rt, rt_s, dump, probe))
 }

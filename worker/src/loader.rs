@@ -195,6 +195,17 @@ impl<B: Backend> RankWeights<B> {
     }
 }
 
+/// One layer of a rank in checkpoint order, on the host: what the probe's reference reads.
+pub struct ReferenceLayer {
+    /// `(E4M3 elements, per-row scales)` of `wq_b [heads*512, q_lora]`.
+    pub wq_b: (Vec<u8>, Vec<u8>),
+    /// `wo_a [groups*o_lora, 4096]`.
+    pub wo_a: (Vec<u8>, Vec<u8>),
+    /// `wo_b [hidden, groups*o_lora]`.
+    pub wo_b: (Vec<u8>, Vec<u8>),
+    pub attn_sink: Vec<f32>,
+}
+
 /// Loads one rank of one TP group with a backend.
 pub struct RankLoader<'b, B: Backend> {
     backend: &'b B,
@@ -224,6 +235,10 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
 
     pub fn shard(&self) -> &RankShard {
         &self.shard
+    }
+
+    pub fn backend(&self) -> &'b B {
+        self.backend
     }
 
     pub fn identity(&self) -> LayoutIdentity {
@@ -392,6 +407,37 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         times.digest_s += t.elapsed().as_secs_f64();
 
         Ok(LayerWeights { layer, wq_b, wo_a, wo_b, attn_sink, source: source_digests, kernel, times, scratch })
+    }
+
+    /// The rank's layer in checkpoint order (FP8 scales expanded per row, BF16 quantized with
+    /// this loader's rule), read through the same source stage as a load, but never permuted
+    /// or hooked: the yardstick of the probe.
+    pub fn reference_layer(&self, source: &LoadSource, layer: usize) -> Result<ReferenceLayer, LoadError> {
+        self.check_source(source)?;
+        let specs = layer_tensors(&self.geometry, self.format, layer);
+        let find = |param, part| specs.iter().find(|s| s.param == param && s.part == part);
+        let mut scratch = LayerScratch::<B>::default();
+        let (mut digests, mut times) = (Vec::new(), StageTimes::default());
+        let backend = self.backend;
+        let rule = self.rule;
+        let mut host = |param: Param, scratch: &mut LayerScratch<B>| -> Result<(Vec<u8>, Vec<u8>), LoadError> {
+            // Checkpoint order is only downloaded here, never permuted or hooked, so the
+            // parameter marker does not matter.
+            let mx: Mx<B, WqB, CheckpointOrder> =
+                self.read_matrix(source, param, &find, scratch, &mut digests, &mut times, |src, rows, k, pool| {
+                    Mx::from_source(backend, src, rows, k, rule, pool)
+                })?;
+            mx.to_host(backend).map_err(|e| tensor_error(&checkpoint_name(layer, param, Part::Weight), None, e))
+        };
+        let wq_b = host(Param::WqB, &mut scratch)?;
+        let wo_a = host(Param::WoA, &mut scratch)?;
+        let wo_b = host(Param::WoB, &mut scratch)?;
+        let spec = find(Param::AttnSink, Part::Weight).expect("every layer has attn_sink");
+        let (rows, cols) = self.slice_of(spec);
+        let mut bytes = Vec::new();
+        source.read(spec, rows, cols, &mut bytes)?;
+        let attn_sink = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        Ok(ReferenceLayer { wq_b, wo_a, wo_b, attn_sink })
     }
 
     /// Fetches a matrix parameter's slice (weight and, for FP8, block scale), hands the bytes

@@ -74,6 +74,11 @@ struct LoadArgs {
     /// Print one JSON document instead of text.
     #[arg(long)]
     json: bool,
+    /// Run probes after loading: T tokens, S latents, input seed (default 0). Every rank runs
+    /// the mega-attention forward pass on its kernel tensors and checks it against the
+    /// checkpoint-order reference; in the all-ranks mode the partial outputs are summed.
+    #[arg(long, value_name = "T,S[,SEED]")]
+    probe: Option<orchestrator_worker::probe::ProbeSpec>,
     /// Leave the per-tensor digests out of the text report.
     #[arg(long)]
     brief: bool,
@@ -136,7 +141,7 @@ fn load(args: LoadArgs) -> anyhow::Result<bool> {
     let backend = CpuBackend;
     let mut reports: Vec<RankReport> = Vec::new();
     for r in ranks {
-        let report = load_and_report(&backend, &source, args.tp, r, args.scale_rule, args.dump.as_deref())
+        let report = load_and_report(&backend, &source, args.tp, r, args.scale_rule, args.dump.as_deref(), args.probe)
             .with_context(|| format!("rank {r} of TP {}", args.tp))?;
         if !args.json {
             emit(&report.render(!args.brief));
@@ -144,11 +149,24 @@ fn load(args: LoadArgs) -> anyhow::Result<bool> {
         reports.push(report);
     }
     let ok = reports.iter().all(RankReport::ok);
+    // All ranks of the group: y = the partials summed in rank order.
+    let partials: Vec<&[f32]> = reports.iter().filter_map(|r| r.probe.as_ref().map(|p| p.y_partial.as_slice())).collect();
+    let y_digest = (args.rank.is_none() && partials.len() == args.tp && !partials.is_empty())
+        .then(|| orchestrator_kernels::Digest::of_f32(&orchestrator_worker::probe::sum_partials(&partials)).hex());
+    if let Some(d) = &y_digest {
+        if !args.json {
+            emit(&format!("y (sum of {} partials in rank order) digest {d}\n", partials.len()));
+        }
+    }
     if args.json {
-        let doc = serde_json::json!({ "ok": ok, "tp_size": args.tp, "ranks": reports });
+        let doc = serde_json::json!({ "ok": ok, "tp_size": args.tp, "y_digest": y_digest, "ranks": reports });
         emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
     } else {
-        emit(if ok { "all ranks: round trip ok\n" } else { "FAILED: a round trip did not reproduce the checkpoint\n" });
+        emit(if ok {
+            if args.probe.is_some() { "all ranks: round trip ok, probes pass\n" } else { "all ranks: round trip ok\n" }
+        } else {
+            "FAILED: a round trip or a probe did not match (see above)\n"
+        });
     }
     Ok(ok)
 }

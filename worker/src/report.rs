@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use crate::identity::LayoutIdentity;
 use crate::loader::{RankWeights, StageTimes, TensorDigest, serialize_hex};
+use crate::probe::RankProbe;
 use crate::roundtrip::RoundTrip;
 use orchestrator_kernels::Digest;
 
@@ -44,10 +45,18 @@ pub struct RankReport {
     pub round_trip: RoundTrip,
     pub timings: Timings,
     pub dump: Option<PathBuf>,
+    pub probe: Option<RankProbe>,
 }
 
 impl RankReport {
-    pub fn new<B: Backend>(backend: &B, w: &RankWeights<B>, round_trip: RoundTrip, round_trip_s: f64, dump: Option<PathBuf>) -> Self {
+    pub fn new<B: Backend>(
+        backend: &B,
+        w: &RankWeights<B>,
+        round_trip: RoundTrip,
+        round_trip_s: f64,
+        dump: Option<PathBuf>,
+        probe: Option<RankProbe>,
+    ) -> Self {
         let wall = w.wall.as_secs_f64();
         Self {
             tp_size: w.shard.tp_size,
@@ -72,11 +81,13 @@ impl RankReport {
                 source_gb_per_s: if wall > 0.0 { w.source_bytes() as f64 / wall / 1e9 } else { 0.0 },
             },
             dump,
+            probe,
         }
     }
 
+    /// Round trip holds and, when a probe ran, it passed.
     pub fn ok(&self) -> bool {
-        self.round_trip.ok
+        self.round_trip.ok && self.probe.as_ref().is_none_or(|p| p.ok)
     }
 
     /// Human-readable report.
@@ -122,6 +133,37 @@ impl RankReport {
             "  timings: load {:.3} s wall ({:.2} GB/s of checkpoint slice; thread time read {:.3} s, pipeline {:.3} s, digests {:.3} s), round trip {:.3} s",
             t.load_wall_s, t.source_gb_per_s, t.stages.read_s, t.stages.pipeline_s, t.stages.digest_s, t.round_trip_s
         );
+        if let Some(p) = &self.probe {
+            let s_ = &mut s;
+            let _ = writeln!(
+                s_,
+                "  probe T={} S={} seed={}: {} ({} layers; q {} of {} values differ from the permuted reference; z max err {:.3e} abs, {:.3e} rel, tolerance {:e}; y_partial max err {:.3e} abs, {:.3e} rel)",
+                p.spec.tokens,
+                p.spec.latents,
+                p.spec.seed,
+                if p.ok { "PASS" } else { "FAIL" },
+                p.layers.len(),
+                p.layers.iter().map(|l| l.q_mismatches).sum::<usize>(),
+                p.q_values * p.layers.len(),
+                p.z_max_abs_err,
+                p.z_max_rel_err,
+                crate::probe::Z_TOLERANCE,
+                p.y_max_abs_err,
+                p.y_max_rel_err
+            );
+            let _ = writeln!(
+                s_,
+                "  probe y_partial digest {}  (kernel pass {:.3} s, reference {:.3} s)",
+                p.y_partial_digest, p.kernel_s, p.reference_s
+            );
+            for l in p.layers.iter().filter(|l| !l.ok) {
+                let _ = writeln!(
+                    s_,
+                    "    layer {}: q mismatches {}, z max err {:.3e} abs / {:.3e} rel",
+                    l.layer, l.q_mismatches, l.z_max_abs_err, l.z_max_rel_err
+                );
+            }
+        }
         if let Some(d) = &self.dump {
             let _ = writeln!(s, "  dump: {}", d.display());
         }

@@ -1,0 +1,263 @@
+//! MXFP8 GEMMs that read weights in their kernel layouts (spec sections 7 and 8).
+//!
+//! `out[t, n] = sum_k a[t, k] * w[n, k]`, where both operands are MXFP8 (E4M3 elements, one
+//! UE8M0 scale per 32 elements along K) and are dequantized exactly to f32 (a power-of-two
+//! scale times an E4M3 value), and every output accumulates its K products in f32, in
+//! increasing `k`, one product at a time. That order is the same for every output element
+//! wherever it sits, so a GEMM on row-permuted weights gives exactly (bit for bit) the
+//! permuted output, and the plain triple loop [`gemm_reference`] gives exactly what the fast
+//! [`gemm`] gives.
+//!
+//! The weight is read through a [`WeightView`]: its E4M3 bytes row-major `[N, K]` (the `[K, N]`
+//! column-major view of the CuteDSL GEMM) and its scales in whichever layout the kernel reads
+//! (F8_128x4 swizzled, DeepGEMM packed, or plain per-row for references). A wrong layout gives
+//! a wrong result: nothing here un-permutes or un-swizzles on the side.
+
+use rayon::prelude::*;
+
+use crate::layout::swizzle_offset;
+use crate::mxfp8::{self, BLOCK, ScaleRule};
+use crate::{KernelError, e4m3, e8m0};
+
+/// How a weight's per-row, per-32-column scales are stored.
+#[derive(Clone, Copy, Debug)]
+pub enum ScaleView<'a> {
+    /// Plain row-major `[N, K/32]` (checkpoint-order references).
+    RowMajor(&'a [u8]),
+    /// F8_128x4 swizzle of `[N, K/32]` (`wq_b`, `wo_b`).
+    Swizzled128x4(&'a [u8]),
+    /// DeepGEMM packed UE8M0, MN-major, of one group: storage `[group][k4][row][4]` over
+    /// `groups` groups of `rows_per_group` rows (`wo_a`).
+    PackedUe8m0 { bytes: &'a [u8], group: usize, rows_per_group: usize },
+}
+
+/// An MXFP8 weight `[N, K]` as a kernel reads it.
+#[derive(Clone, Copy, Debug)]
+pub struct WeightView<'a> {
+    /// E4M3 bytes, row-major `[N, K]`.
+    pub elements: &'a [u8],
+    pub n: usize,
+    pub k: usize,
+    pub scales: ScaleView<'a>,
+}
+
+impl WeightView<'_> {
+    /// The scale byte of row `n`, 32-column block `kb`.
+    #[inline]
+    pub fn scale(&self, n: usize, kb: usize) -> u8 {
+        let c = self.k / BLOCK;
+        match self.scales {
+            ScaleView::RowMajor(s) => s[n * c + kb],
+            ScaleView::Swizzled128x4(s) => s[swizzle_offset(n, kb, c)],
+            ScaleView::PackedUe8m0 { bytes, group, rows_per_group } => {
+                bytes[((group * (c / 4) + kb / 4) * rows_per_group + n) * 4 + kb % 4]
+            }
+        }
+    }
+
+    fn check(&self) -> Result<(), KernelError> {
+        let c = self.k / BLOCK;
+        let need = match self.scales {
+            ScaleView::RowMajor(s) => (s.len(), self.n * c),
+            ScaleView::Swizzled128x4(s) => (s.len(), crate::layout::swizzled_len(self.n, c)),
+            ScaleView::PackedUe8m0 { bytes, group, rows_per_group } => {
+                if rows_per_group != self.n || !c.is_multiple_of(4) {
+                    return Err(KernelError::Shape(format!("packed scales of {rows_per_group} rows for a weight of {} rows", self.n)));
+                }
+                (bytes.len(), (group + 1) * rows_per_group * c)
+            }
+        };
+        let short = match self.scales {
+            ScaleView::PackedUe8m0 { .. } => need.0 < need.1,
+            _ => need.0 != need.1,
+        };
+        if !self.k.is_multiple_of(BLOCK) || self.elements.len() != self.n * self.k || short {
+            return Err(KernelError::Shape(format!(
+                "weight view [{}, {}] has {} element bytes and {} scale bytes (need {})",
+                self.n,
+                self.k,
+                self.elements.len(),
+                need.0,
+                need.1
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// An MXFP8 activation matrix `[rows, k]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MxMatrix {
+    pub elements: Vec<u8>,
+    pub scales: Vec<u8>,
+    pub rows: usize,
+    pub k: usize,
+}
+
+impl MxMatrix {
+    /// Quantizes f32 rows `[rows, k]` (finite values) with `rule`.
+    pub fn quantize(values: &[f32], k: usize, rule: ScaleRule) -> Result<Self, KernelError> {
+        let (mut elements, mut scales) = (Vec::new(), Vec::new());
+        mxfp8::quantize_f32_rows(values, k, rule, &mut elements, &mut scales)?;
+        Ok(Self { elements, scales, rows: values.len() / k.max(1), k })
+    }
+
+    /// The exact f32 values.
+    pub fn dequantize(&self) -> Vec<f32> {
+        dequantize_rows(&self.elements, self.k, |r, kb| self.scales[r * (self.k / BLOCK) + kb])
+    }
+}
+
+/// Exact f32 values of E4M3 rows `[rows, k]` with a scale per row and 32-column block.
+fn dequantize_rows(elements: &[u8], k: usize, scale: impl Fn(usize, usize) -> u8) -> Vec<f32> {
+    let mut out = Vec::with_capacity(elements.len());
+    for (r, row) in elements.chunks_exact(k.max(1)).enumerate() {
+        for (kb, block) in row.chunks_exact(BLOCK).enumerate() {
+            let s = e8m0::to_f32(scale(r, kb));
+            out.extend(block.iter().map(|&e| e4m3::to_f32(e) * s));
+        }
+    }
+    out
+}
+
+/// Output columns per tile: each tile's weights are dequantized once, transposed to
+/// `[K, TILE]`, and reused for every activation row; the inner loop runs across the tile's
+/// outputs (independent accumulators, one per lane), so each output still sums in `k` order.
+const TILE: usize = 16;
+
+/// `out[t, n] = sum_k a[t, k] * w[n, k]` (see the module docs for the exact arithmetic), on all
+/// cores. Returns `[T, N]` row-major.
+pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
+    w.check()?;
+    if a.k != w.k {
+        return Err(KernelError::Shape(format!("activations have K = {}, the weight has K = {}", a.k, w.k)));
+    }
+    let (t_rows, k, n) = (a.rows, w.k, w.n);
+    let a_deq = a.dequantize();
+    // Column tiles in parallel; each writes its own [T, TILE] block, scattered afterwards.
+    let tiles: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(TILE))
+        .into_par_iter()
+        .map(|tile| {
+            let n0 = tile * TILE;
+            let width = TILE.min(n - n0);
+            let mut wt = vec![0f32; k * TILE];
+            for j in 0..width {
+                let row = &w.elements[(n0 + j) * k..(n0 + j + 1) * k];
+                for (kb, block) in row.chunks_exact(BLOCK).enumerate() {
+                    let s = e8m0::to_f32(w.scale(n0 + j, kb));
+                    for (i, &e) in block.iter().enumerate() {
+                        wt[(kb * BLOCK + i) * TILE + j] = e4m3::to_f32(e) * s;
+                    }
+                }
+            }
+            let mut out = vec![0f32; t_rows * TILE];
+            for t in 0..t_rows {
+                let a_row = &a_deq[t * k..(t + 1) * k];
+                let mut acc = [0f32; TILE];
+                for (kk, &av) in a_row.iter().enumerate() {
+                    let wrow: &[f32; TILE] = wt[kk * TILE..(kk + 1) * TILE].try_into().expect("tile row");
+                    for j in 0..TILE {
+                        acc[j] += av * wrow[j];
+                    }
+                }
+                out[t * TILE..(t + 1) * TILE].copy_from_slice(&acc);
+            }
+            (n0, out)
+        })
+        .collect();
+    let mut out = vec![0f32; t_rows * n];
+    for (n0, block) in tiles {
+        let width = TILE.min(n - n0);
+        for t in 0..t_rows {
+            out[t * n + n0..t * n + n0 + width].copy_from_slice(&block[t * TILE..t * TILE + width]);
+        }
+    }
+    Ok(out)
+}
+
+/// The plain triple loop: the yardstick for [`gemm`] (bit-identical by construction) and the
+/// naive baseline of the GEMM benchmark.
+pub fn gemm_reference(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
+    w.check()?;
+    if a.k != w.k {
+        return Err(KernelError::Shape(format!("activations have K = {}, the weight has K = {}", a.k, w.k)));
+    }
+    let a_deq = a.dequantize();
+    let mut out = vec![0f32; a.rows * w.n];
+    for t in 0..a.rows {
+        for n in 0..w.n {
+            let mut acc = 0f32;
+            for kk in 0..w.k {
+                let wv = e4m3::to_f32(w.elements[n * w.k + kk]) * e8m0::to_f32(w.scale(n, kk / BLOCK));
+                acc += a_deq[t * w.k + kk] * wv;
+            }
+            out[t * w.n + n] = acc;
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{pack_ue8m0_mn_major, swizzle_128x4};
+    use crate::permutation::{Permutation, gather_runs};
+
+    fn weight(n: usize, k: usize, seed: u32) -> (Vec<u8>, Vec<u8>) {
+        let e = (0..n * k).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 9) as u8 & 0x7E).collect();
+        let s = (0..n * k / 32).map(|i| 120 + ((i as u32 * 7 + seed) % 6) as u8).collect();
+        (e, s)
+    }
+
+    fn acts(t: usize, k: usize) -> MxMatrix {
+        let v: Vec<f32> = (0..t * k).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.37).collect();
+        MxMatrix::quantize(&v, k, ScaleRule::Rceil).unwrap()
+    }
+
+    #[test]
+    fn fast_equals_reference_bit_for_bit_in_every_scale_layout() {
+        let (n, k) = (40, 128);
+        let (e, s) = weight(n, k, 3);
+        let a = acts(5, k);
+        let plain = WeightView { elements: &e, n, k, scales: ScaleView::RowMajor(&s) };
+        let want = gemm_reference(&a, &plain).unwrap();
+        assert_eq!(gemm(&a, &plain).unwrap(), want);
+        let mut sw = Vec::new();
+        swizzle_128x4(&s, n, k / 32, &mut sw).unwrap();
+        let swz = WeightView { elements: &e, n, k, scales: ScaleView::Swizzled128x4(&sw) };
+        assert_eq!(gemm(&a, &swz).unwrap(), want);
+        // Packed: two groups of 20 rows; group 1 is rows 20..40.
+        let mut packed = Vec::new();
+        pack_ue8m0_mn_major(&s, 2, 20, k / 32, &mut packed).unwrap();
+        let g1 = WeightView {
+            elements: &e[20 * k..],
+            n: 20,
+            k,
+            scales: ScaleView::PackedUe8m0 { bytes: &packed, group: 1, rows_per_group: 20 },
+        };
+        let got = gemm(&a, &g1).unwrap();
+        for t in 0..5 {
+            assert_eq!(&got[t * 20..(t + 1) * 20], &want[t * n + 20..t * n + 40]);
+        }
+        // Reading swizzled scales as if they were plain gives a different answer.
+        let wrong = WeightView { elements: &e, n, k, scales: ScaleView::RowMajor(&sw[..n * k / 32]) };
+        assert_ne!(gemm(&a, &wrong).unwrap(), want);
+    }
+
+    #[test]
+    fn row_permuted_weight_gives_the_permuted_output_exactly() {
+        let (n, k) = (8 * 512, 64);
+        let (e, s) = weight(n, k, 9);
+        let a = acts(3, k);
+        let perm = Permutation::q_rows(8, 512).unwrap();
+        let (mut pe, mut ps) = (Vec::new(), Vec::new());
+        gather_runs(&e, n * k, k, &perm, &mut pe).unwrap();
+        gather_runs(&s, n * 2, 2, &perm, &mut ps).unwrap();
+        let std = gemm(&a, &WeightView { elements: &e, n, k, scales: ScaleView::RowMajor(&s) }).unwrap();
+        let fused = gemm(&a, &WeightView { elements: &pe, n, k, scales: ScaleView::RowMajor(&ps) }).unwrap();
+        for t in 0..3 {
+            let row = &std[t * n..(t + 1) * n];
+            assert_eq!(&fused[t * n..(t + 1) * n], perm.apply(row).as_slice());
+        }
+    }
+}

@@ -1,0 +1,263 @@
+//! Probes: the mega-attention forward pass run on a rank's kernel-visible tensors, checked
+//! against the same mathematics on its checkpoint-order weights (spec section 8).
+
+use std::time::Instant;
+
+use orchestrator_kernels::forward::{LayerWeightsView, Layouts, ProbeInputs, ProbeOutput, ProbeShape, compare, forward, q_column};
+use orchestrator_kernels::gemm::{MxMatrix, ScaleView, WeightView};
+use orchestrator_kernels::params::{KernelTensor, ScaleLayout};
+use orchestrator_kernels::{Backend, CpuBackend, Digest, KernelError, ScaleRule};
+use orchestrator_model::{Generator, Geometry};
+use serde::Serialize;
+
+use crate::loader::{LoadError, RankLoader, RankWeights, ReferenceLayer, serialize_hex};
+use crate::source::LoadSource;
+
+/// Tolerance of `z` against the reference (the PR's test: rtol = atol = 1e-3).
+pub const Z_TOLERANCE: f32 = 1e-3;
+
+/// `T,S[,SEED]`: tokens, latents, input seed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ProbeSpec {
+    pub tokens: usize,
+    pub latents: usize,
+    pub seed: u64,
+}
+
+impl std::str::FromStr for ProbeSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+        let num = |i: usize, what: &str| -> Result<u64, String> {
+            parts
+                .get(i)
+                .ok_or_else(|| format!("probe `{s}`: missing {what}"))?
+                .parse::<u64>()
+                .map_err(|e| format!("probe `{s}`: {what}: {e}"))
+        };
+        if !(2..=3).contains(&parts.len()) {
+            return Err(format!("probe `{s}`: expected T,S or T,S,SEED"));
+        }
+        let (tokens, latents) = (num(0, "T (tokens)")? as usize, num(1, "S (latents)")? as usize);
+        if tokens == 0 || latents == 0 {
+            return Err(format!("probe `{s}`: T and S must be at least 1"));
+        }
+        let seed = if parts.len() == 3 { num(2, "SEED")? } else { 0 };
+        Ok(Self { tokens, latents, seed })
+    }
+}
+
+impl ProbeSpec {
+    /// The inputs every rank builds identically: `qr [T, q_lora]` and `kv [S, head_dim]`,
+    /// ~N(0, 1) from the counter-based generator keyed by the seed, MXFP8-quantized (rceil).
+    pub fn inputs(&self, g: &Geometry) -> Result<ProbeInputs, KernelError> {
+        let generator = Generator::new(self.seed);
+        let qr = generator.normal_f32("probe.qr", self.tokens * g.q_lora_rank);
+        let kv = generator.normal_f32("probe.kv", self.latents * g.head_dim);
+        let qr = MxMatrix::quantize(&qr, g.q_lora_rank, ScaleRule::Rceil)?;
+        let kv = MxMatrix::quantize(&kv, g.head_dim, ScaleRule::Rceil)?.dequantize();
+        Ok(ProbeInputs { qr, kv, latents: self.latents })
+    }
+}
+
+/// The probe verdict of one layer.
+#[derive(Clone, Debug, Serialize)]
+pub struct LayerProbe {
+    pub layer: usize,
+    /// Values of the fused `q` that differ (bitwise) from the permuted reference `q`.
+    pub q_mismatches: usize,
+    pub z_max_abs_err: f32,
+    pub z_max_rel_err: f32,
+    pub z_within_tolerance: bool,
+    pub y_max_abs_err: f32,
+    pub y_max_rel_err: f32,
+    pub ok: bool,
+}
+
+/// The probe verdict of one rank.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankProbe {
+    pub spec: ProbeSpec,
+    pub layers: Vec<LayerProbe>,
+    /// XXH3-64 of `y_partial [layers, T, hidden]` as little-endian f32.
+    #[serde(serialize_with = "serialize_hex")]
+    pub y_partial_digest: Digest,
+    pub q_values: usize,
+    pub z_max_abs_err: f32,
+    pub z_max_rel_err: f32,
+    pub y_max_abs_err: f32,
+    pub y_max_rel_err: f32,
+    pub ok: bool,
+    pub kernel_s: f64,
+    pub reference_s: f64,
+    #[serde(skip)]
+    pub y_partial: Vec<f32>,
+}
+
+fn shape_of<B: Backend>(g: &Geometry, w: &RankWeights<B>) -> ProbeShape {
+    ProbeShape {
+        heads: w.shard.n_local_heads,
+        groups: w.shard.n_local_groups,
+        head_dim: g.head_dim,
+        rope_dim: g.rope_dim,
+        q_lora: g.q_lora_rank,
+        o_lora: g.o_lora_rank,
+        hidden: g.hidden,
+    }
+}
+
+fn linear_view(t: &KernelTensor<CpuBackend>) -> Result<WeightView<'_>, KernelError> {
+    match (t.scale_layout, t.weight_shape.as_slice()) {
+        (ScaleLayout::Swizzled128x4 { .. }, &[n, k]) => {
+            Ok(WeightView { elements: &t.weight, n, k, scales: ScaleView::Swizzled128x4(&t.scale) })
+        }
+        (layout, shape) => Err(KernelError::Layout(format!("expected a swizzled [N, K] linear weight, found {layout:?} {shape:?}"))),
+    }
+}
+
+/// A host copy of a kernel tensor (the CPU forward pass reads host memory).
+fn host_copy<B: Backend>(backend: &B, t: &KernelTensor<B>) -> Result<KernelTensor<CpuBackend>, KernelError> {
+    let (mut weight, mut scale) = (Vec::new(), Vec::new());
+    backend.download(&t.weight, &mut weight)?;
+    backend.download(&t.scale, &mut scale)?;
+    Ok(KernelTensor { weight, weight_shape: t.weight_shape.clone(), scale, scale_layout: t.scale_layout })
+}
+
+/// Runs the probe on every layer of a loaded rank and checks it against the reference.
+pub fn probe_rank<B: Backend + Sync>(
+    loader: &RankLoader<'_, B>,
+    weights: &RankWeights<B>,
+    source: &LoadSource,
+    spec: ProbeSpec,
+    rule: ScaleRule,
+) -> Result<RankProbe, LoadError> {
+    let backend = loader.backend();
+    let g = &weights.identity.geometry;
+    let shape = shape_of(g, weights);
+    let inputs = spec.inputs(g).map_err(|e| LoadError::Config(format!("probe inputs: {e}")))?;
+    let mut layers = Vec::new();
+    let mut y_partial = Vec::new();
+    let (mut kernel_s, mut reference_s) = (0.0, 0.0);
+    for layer in &weights.layers {
+        let bad = |e: KernelError| LoadError::Config(format!("probe of layer {}: {e}", layer.layer));
+        let t = Instant::now();
+        let mut sink_bytes = Vec::new();
+        backend.download(&layer.attn_sink, &mut sink_bytes).map_err(bad)?;
+        let sink: Vec<f32> = sink_bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let host = [&layer.wq_b, &layer.wo_a, &layer.wo_b].map(|k| host_copy(backend, k));
+        let [wq_b, wo_a, wo_b] = host;
+        let kernel =
+            run_kernel(&shape, &inputs, &wq_b.map_err(bad)?, &wo_a.map_err(bad)?, &wo_b.map_err(bad)?, &sink, rule).map_err(bad)?;
+        kernel_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let reference = loader.reference_layer(source, layer.layer)?;
+        let want = run_reference(&shape, &inputs, &reference, rule).map_err(bad)?;
+        reference_s += t.elapsed().as_secs_f64();
+        layers.push(check_layer(layer.layer, &shape, &kernel, &want));
+        y_partial.extend_from_slice(&kernel.y_partial);
+    }
+    let max = |f: fn(&LayerProbe) -> f32| layers.iter().map(f).fold(0f32, f32::max);
+    Ok(RankProbe {
+        spec,
+        q_values: spec.tokens * shape.heads * shape.head_dim,
+        z_max_abs_err: max(|l| l.z_max_abs_err),
+        z_max_rel_err: max(|l| l.z_max_rel_err),
+        y_max_abs_err: max(|l| l.y_max_abs_err),
+        y_max_rel_err: max(|l| l.y_max_rel_err),
+        ok: layers.iter().all(|l| l.ok),
+        layers,
+        y_partial_digest: Digest::of_f32(&y_partial),
+        kernel_s,
+        reference_s,
+        y_partial,
+    })
+}
+
+fn run_kernel(
+    shape: &ProbeShape,
+    inputs: &ProbeInputs,
+    wq_b: &KernelTensor<CpuBackend>,
+    wo_a: &KernelTensor<CpuBackend>,
+    wo_b: &KernelTensor<CpuBackend>,
+    sink: &[f32],
+    rule: ScaleRule,
+) -> Result<ProbeOutput, KernelError> {
+    let (groups, rows_per_group, k) = match (wo_a.scale_layout, wo_a.weight_shape.as_slice()) {
+        (ScaleLayout::PackedUe8m0 { .. }, &[g, r, k]) => (g, r, k),
+        (layout, s) => return Err(KernelError::Layout(format!("expected a packed [g, rows, K] wo_a, found {layout:?} {s:?}"))),
+    };
+    let wo_a_views = (0..groups)
+        .map(|g| WeightView {
+            elements: &wo_a.weight[g * rows_per_group * k..(g + 1) * rows_per_group * k],
+            n: rows_per_group,
+            k,
+            scales: ScaleView::PackedUe8m0 { bytes: &wo_a.scale, group: g, rows_per_group },
+        })
+        .collect();
+    let views = LayerWeightsView { wq_b: linear_view(wq_b)?, wo_a: wo_a_views, wo_b: linear_view(wo_b)?, attn_sink: sink };
+    forward(shape, inputs, &views, Layouts::Kernel, rule)
+}
+
+fn row_major_view((e, s): &(Vec<u8>, Vec<u8>), n: usize) -> WeightView<'_> {
+    WeightView { elements: e, n, k: e.len() / n.max(1), scales: ScaleView::RowMajor(s) }
+}
+
+fn run_reference(shape: &ProbeShape, inputs: &ProbeInputs, r: &ReferenceLayer, rule: ScaleRule) -> Result<ProbeOutput, KernelError> {
+    let group_rows = shape.o_lora;
+    let (wo_a_e, wo_a_s) = &r.wo_a;
+    let k_o = wo_a_e.len() / (shape.groups * group_rows).max(1);
+    let c_o = k_o / 32;
+    let wo_a = (0..shape.groups)
+        .map(|g| WeightView {
+            elements: &wo_a_e[g * group_rows * k_o..(g + 1) * group_rows * k_o],
+            n: group_rows,
+            k: k_o,
+            scales: ScaleView::RowMajor(&wo_a_s[g * group_rows * c_o..(g + 1) * group_rows * c_o]),
+        })
+        .collect();
+    let views = LayerWeightsView {
+        wq_b: row_major_view(&r.wq_b, shape.heads * shape.head_dim),
+        wo_a,
+        wo_b: row_major_view(&r.wo_b, shape.hidden),
+        attn_sink: &r.attn_sink,
+    };
+    forward(shape, inputs, &views, Layouts::Reference, rule)
+}
+
+fn check_layer(layer: usize, shape: &ProbeShape, got: &ProbeOutput, want: &ProbeOutput) -> LayerProbe {
+    let n_q = shape.heads * shape.head_dim;
+    let t_rows = got.q.len() / n_q.max(1);
+    let mut q_mismatches = 0;
+    for t in 0..t_rows {
+        for h in 0..shape.heads {
+            for d in 0..shape.head_dim {
+                let fused = got.q[t * n_q + q_column(Layouts::Kernel, shape.heads, shape.head_dim, h, d)];
+                let standard = want.q[t * n_q + q_column(Layouts::Reference, shape.heads, shape.head_dim, h, d)];
+                q_mismatches += usize::from(fused.to_bits() != standard.to_bits());
+            }
+        }
+    }
+    let (z_abs, z_rel, z_ok) = compare(&got.z, &want.z, Z_TOLERANCE, Z_TOLERANCE);
+    let (y_abs, y_rel, _) = compare(&got.y_partial, &want.y_partial, Z_TOLERANCE, Z_TOLERANCE);
+    LayerProbe {
+        layer,
+        q_mismatches,
+        z_max_abs_err: z_abs,
+        z_max_rel_err: z_rel,
+        z_within_tolerance: z_ok,
+        y_max_abs_err: y_abs,
+        y_max_rel_err: y_rel,
+        ok: q_mismatches == 0 && z_ok,
+    }
+}
+
+/// `y`: the partials of every rank of a TP group summed in rank order (deterministic).
+pub fn sum_partials(partials: &[&[f32]]) -> Vec<f32> {
+    let mut y = partials.first().map(|p| p.to_vec()).unwrap_or_default();
+    for p in &partials[1.min(partials.len())..] {
+        for (a, b) in y.iter_mut().zip(p.iter()) {
+            *a += b;
+        }
+    }
+    y
+}
