@@ -153,10 +153,8 @@ fn load(args: LoadArgs) -> anyhow::Result<bool> {
     let partials: Vec<&[f32]> = reports.iter().filter_map(|r| r.probe.as_ref().map(|p| p.y_partial.as_slice())).collect();
     let y_digest = (args.rank.is_none() && partials.len() == args.tp && !partials.is_empty())
         .then(|| orchestrator_kernels::Digest::of_f32(&orchestrator_worker::probe::sum_partials(&partials)).hex());
-    if let Some(d) = &y_digest {
-        if !args.json {
-            emit(&format!("y (sum of {} partials in rank order) digest {d}\n", partials.len()));
-        }
+    if let (Some(d), false) = (&y_digest, args.json) {
+        emit(&format!("y (sum of {} partials in rank order) digest {d}\n", partials.len()));
     }
     if args.json {
         let doc = serde_json::json!({ "ok": ok, "tp_size": args.tp, "y_digest": y_digest, "ranks": reports });
