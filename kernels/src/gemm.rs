@@ -123,7 +123,7 @@ fn dequantize_rows(elements: &[u8], k: usize, scale: impl Fn(usize, usize) -> u8
 /// Output columns per tile: each tile's weights are dequantized once, transposed to
 /// `[K, TILE]`, and reused for every activation row; the inner loop runs across the tile's
 /// outputs (independent accumulators, one per lane), so each output still sums in `k` order.
-const TILE: usize = 16;
+const TILE: usize = 32;
 
 /// `out[t, n] = sum_k a[t, k] * w[n, k]` (see the module docs for the exact arithmetic), on all
 /// cores. Returns `[T, N]` row-major.

@@ -150,3 +150,161 @@ impl BenchReport {
         s
     }
 }
+
+/// One GEMM shape's figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct GemmResult {
+    pub name: String,
+    pub tokens: usize,
+    pub n: usize,
+    pub k: usize,
+    pub gflops: f64,
+    pub naive_gflops: f64,
+    pub fraction_of_peak: f64,
+}
+
+/// GEMM and probe figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct GemmReport {
+    pub threads: usize,
+    pub peak_gflops: f64,
+    pub gemms: Vec<GemmResult>,
+    /// Per rank of TP 4 on one dsv41-flash layer, T = 16, S = 128: the kernel-layout pass and
+    /// the plain reference.
+    pub probe_kernel_s: f64,
+    pub probe_reference_s: f64,
+}
+
+/// The compute roof of the GEMM's inner loop on this machine: the same multiply-add across 32
+/// independent output lanes, on data that stays in L1, on all rayon threads. (The machine's
+/// vector width and FMA availability are whatever this build targets; this measures what the
+/// code can reach, the yardstick for how close the GEMM gets.)
+pub fn peak_gflops() -> f64 {
+    const LANES: usize = 32;
+    const DEPTH: usize = 128;
+    const REPS: usize = 100_000;
+    let threads = rayon::current_num_threads().max(1);
+    let t = Instant::now();
+    let sink: f32 = (0..threads)
+        .into_par_iter()
+        .map(|i| {
+            let w: Vec<f32> = (0..LANES * DEPTH).map(|x| 1e-3 * (x % 7) as f32 + i as f32 * 1e-6).collect();
+            let a: Vec<f32> = (0..DEPTH).map(|x| 1e-3 * (x % 5) as f32).collect();
+            let mut total = 0f32;
+            for _ in 0..REPS {
+                let mut acc = [0f32; LANES];
+                for (kk, &av) in std::hint::black_box(&a).iter().enumerate() {
+                    let row: &[f32; LANES] = w[kk * LANES..(kk + 1) * LANES].try_into().expect("lane row");
+                    for j in 0..LANES {
+                        acc[j] += av * row[j];
+                    }
+                }
+                total += acc.iter().sum::<f32>();
+            }
+            total
+        })
+        .sum();
+    std::hint::black_box(sink);
+    (2 * LANES * DEPTH * REPS * threads) as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+fn time_best(iters: usize, mut f: impl FnMut()) -> f64 {
+    let mut best = f64::INFINITY;
+    for _ in 0..iters.max(1) {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// GEMM throughput on the dsv41-flash TP 4 shapes for each token count, next to the naive
+/// triple loop (on a slice of the rows, scaled) and the peak; then one probe per rank.
+pub fn run_gemm(tokens: &[usize]) -> anyhow::Result<GemmReport> {
+    use orchestrator_kernels::gemm::{MxMatrix, ScaleView, WeightView, gemm, gemm_reference};
+    use orchestrator_model::Generator;
+
+    let peak = peak_gflops();
+    let g = Preset::Dsv41Flash.geometry();
+    let generator = Generator::new(1);
+    // (name, N, K) of one rank at TP 4: wq_b, one wo_a group, wo_b.
+    let shapes = [("wq_b", g.q_rows() / 4, g.q_lora_rank), ("wo_a[g]", g.o_lora_rank, g.o_cols()), ("wo_b", g.hidden, g.o_rows() / 4)];
+    let mut gemms = Vec::new();
+    for (name, n, k) in shapes {
+        let elements: Vec<u8> = generator
+            .normal_f32(&format!("bench.{name}.w"), n * k)
+            .iter()
+            .map(|v| orchestrator_kernels::e4m3::from_f32_saturating(v * 64.0))
+            .collect();
+        let scales: Vec<u8> = (0..n * k / 32).map(|i| 115 + (i % 3) as u8).collect();
+        let w = WeightView { elements: &elements, n, k, scales: ScaleView::RowMajor(&scales) };
+        let naive_rows = n.min(256);
+        let w_naive = WeightView {
+            elements: &elements[..naive_rows * k],
+            n: naive_rows,
+            k,
+            scales: ScaleView::RowMajor(&scales[..naive_rows * k / 32]),
+        };
+        for &t in tokens {
+            let a = MxMatrix::quantize(&generator.normal_f32(&format!("bench.{name}.a"), t * k), k, ScaleRule::Rceil)?;
+            let flops = 2.0 * (t * n * k) as f64;
+            let fast = time_best(3, || {
+                std::hint::black_box(gemm(&a, &w).expect("shapes agree"));
+            });
+            let naive = time_best(1, || {
+                std::hint::black_box(gemm_reference(&a, &w_naive).expect("shapes agree"));
+            }) * (n as f64 / naive_rows as f64);
+            gemms.push(GemmResult {
+                name: name.to_string(),
+                tokens: t,
+                n,
+                k,
+                gflops: flops / fast / 1e9,
+                naive_gflops: flops / naive / 1e9,
+                fraction_of_peak: flops / fast / 1e9 / peak,
+            });
+        }
+    }
+    // One probe per rank (T = 16, S = 128) on one dsv41-flash layer at TP 4.
+    let source = LoadSource::Dummy { config: ModelConfig::from_preset(Preset::Dsv41Flash, Some(1), false)?, generator: Generator::new(3) };
+    let backend = CpuBackend;
+    let loader = RankLoader::new(&backend, source.config(), 4, 0, ScaleRule::Rceil)?;
+    let weights = loader.load(&source)?;
+    let spec = crate::probe::ProbeSpec { tokens: 16, latents: 128, seed: 0 };
+    let p = crate::probe::probe_rank(&loader, &weights, &source, spec, ScaleRule::Rceil)?;
+    anyhow::ensure!(p.ok, "the benchmark probe failed its own check: {p:?}");
+    Ok(GemmReport {
+        threads: rayon::current_num_threads(),
+        peak_gflops: peak,
+        gemms,
+        probe_kernel_s: p.kernel_s,
+        probe_reference_s: p.reference_s,
+    })
+}
+
+impl GemmReport {
+    pub fn render(&self) -> String {
+        let mut s = format!(
+            "MXFP8 GEMM, dsv41-flash TP 4 shapes, {} threads; peak estimate {:.1} GFLOP/s (the inner loop on L1-resident data, same run)\n",
+            self.threads, self.peak_gflops
+        );
+        for g in &self.gemms {
+            s.push_str(&format!(
+                "{:<8} T={:<4} N={:<5} K={:<5} {:>7.2} GFLOP/s = {:.2}x peak; naive triple loop {:>6.3} GFLOP/s ({:.0}x slower)\n",
+                g.name,
+                g.tokens,
+                g.n,
+                g.k,
+                g.gflops,
+                g.fraction_of_peak,
+                g.naive_gflops,
+                g.gflops / g.naive_gflops
+            ));
+        }
+        s.push_str(&format!(
+            "probe T=16 S=128, one dsv41-flash layer, TP 4 rank 0: kernel-layout pass {:.3} s, plain reference {:.3} s\n",
+            self.probe_kernel_s, self.probe_reference_s
+        ));
+        s
+    }
+}

@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod dump;
+pub mod faults;
 pub mod identity;
 pub mod loader;
 pub mod output;

@@ -25,6 +25,9 @@ enum Command {
     Load(LoadArgs),
     /// Pipeline throughput as a ratio to memcpy bandwidth measured in the same run.
     Bench(BenchArgs),
+    /// MXFP8 GEMM GFLOP/s on the dsv41-flash TP 4 shapes next to a naive loop and the peak,
+    /// and the time of one probe.
+    BenchGemm(BenchGemmArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -108,6 +111,15 @@ struct BenchArgs {
     json: bool,
 }
 
+#[derive(Args)]
+struct BenchGemmArgs {
+    /// Token counts (GEMM M).
+    #[arg(long, value_delimiter = ',', default_value = "1,16,128")]
+    tokens: Vec<usize>,
+    #[arg(long)]
+    json: bool,
+}
+
 fn source_of(args: &LoadArgs) -> anyhow::Result<LoadSource> {
     if let Some(dir) = &args.checkpoint {
         return LoadSource::open_checkpoint(dir).with_context(|| format!("opening checkpoint {}", dir.display()));
@@ -174,6 +186,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Load(args) => load(args),
+        Command::BenchGemm(args) => (|| {
+            let report = bench::run_gemm(&args.tokens)?;
+            if args.json {
+                emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
+            } else {
+                emit(&report.render());
+            }
+            Ok(true)
+        })(),
         Command::Bench(args) => (|| {
             let opts = BenchOptions {
                 preset: args.preset.parse()?,

@@ -1,0 +1,127 @@
+//! The probe forward pass: intact ranks pass at every TP size (tiny and the real
+//! DeepSeek-V4.1-Flash geometry), the partial outputs of a TP group sum to the TP 1 output,
+//! and every deliberate layout fault fails the probe by far more than the tolerance.
+
+use orchestrator_kernels::forward::compare;
+use orchestrator_kernels::{CpuBackend, ScaleRule};
+use orchestrator_model::synth::{SynthOptions, write_checkpoint};
+use orchestrator_model::{Generator, ModelConfig, Preset};
+use orchestrator_worker::faults::{Fault, inject};
+use orchestrator_worker::probe::{ProbeSpec, RankProbe, Z_TOLERANCE, probe_rank, sum_partials};
+use orchestrator_worker::{LoadSource, RankLoader};
+
+fn dummy(preset: Preset, layers: usize, bf16: bool, seed: u64) -> LoadSource {
+    LoadSource::Dummy { config: ModelConfig::from_preset(preset, Some(layers), bf16).unwrap(), generator: Generator::new(seed) }
+}
+
+fn probe(source: &LoadSource, tp: usize, rank: usize, spec: ProbeSpec) -> RankProbe {
+    let loader = RankLoader::new(&CpuBackend, source.config(), tp, rank, ScaleRule::Rceil).unwrap();
+    let w = loader.load(source).unwrap();
+    probe_rank(&loader, &w, source, spec, ScaleRule::Rceil).unwrap()
+}
+
+fn assert_passes(p: &RankProbe, what: &str) {
+    assert!(p.ok, "{what}: {p:?}");
+    assert!(p.layers.iter().all(|l| l.q_mismatches == 0), "{what}: fused q must equal the permuted reference bit for bit");
+    assert!(p.z_max_abs_err <= Z_TOLERANCE, "{what}: z err {}", p.z_max_abs_err);
+}
+
+/// Intact ranks pass at TP 1, 2, 4, 8; the partials of each group sum (in rank order) to the
+/// TP 1 output within 1e-3.
+fn intact_at_every_tp(preset: Preset, layers: usize, spec: ProbeSpec) {
+    let source = dummy(preset, layers, false, 11);
+    let whole = probe(&source, 1, 0, spec);
+    assert_passes(&whole, &format!("{} tp 1", preset.name()));
+    for tp in [2, 4, 8] {
+        let probes: Vec<RankProbe> = (0..tp).map(|r| probe(&source, tp, r, spec)).collect();
+        for (r, p) in probes.iter().enumerate() {
+            assert_passes(p, &format!("{} tp {tp} rank {r}", preset.name()));
+        }
+        let y = sum_partials(&probes.iter().map(|p| p.y_partial.as_slice()).collect::<Vec<_>>());
+        let (abs, rel, within) = compare(&y, &whole.y_partial, 1e-3, 1e-3);
+        assert!(within, "{} tp {tp}: sum of partials differs from tp 1 by {abs} abs / {rel} rel", preset.name());
+    }
+}
+
+#[test]
+fn intact_tiny_ranks_pass_and_sum_to_tp1() {
+    intact_at_every_tp(Preset::Tiny, 2, ProbeSpec { tokens: 4, latents: 16, seed: 3 });
+}
+
+#[test]
+fn intact_dsv41_flash_ranks_pass_and_sum_to_tp1() {
+    intact_at_every_tp(Preset::Dsv41Flash, 1, ProbeSpec { tokens: 2, latents: 8, seed: 5 });
+}
+
+/// A fault makes the probe fail, with errors far above tolerance.
+fn faulted(fault: Fault) -> RankProbe {
+    let source = dummy(Preset::Tiny, 1, false, 21);
+    let loader = RankLoader::new(&CpuBackend, source.config(), 2, 1, ScaleRule::Rceil).unwrap();
+    let mut w = loader.load(&source).unwrap();
+    let spec = ProbeSpec { tokens: 4, latents: 16, seed: 1 };
+    assert!(probe_rank(&loader, &w, &source, spec, ScaleRule::Rceil).unwrap().ok, "intact first");
+    inject(&mut w, fault).unwrap();
+    probe_rank(&loader, &w, &source, spec, ScaleRule::Rceil).unwrap()
+}
+
+#[test]
+fn skipped_q_permutation_fails_the_probe() {
+    let p = faulted(Fault::SkipQPermutation);
+    assert!(!p.ok);
+    assert!(p.layers[0].q_mismatches > p.q_values / 2, "{p:?}");
+    assert!(p.z_max_rel_err > 100.0 * Z_TOLERANCE, "{p:?}");
+}
+
+#[test]
+fn double_q_permutation_fails_the_probe() {
+    let p = faulted(Fault::DoubleQPermutation);
+    assert!(!p.ok);
+    assert!(p.layers[0].q_mismatches > p.q_values / 2, "{p:?}");
+    assert!(p.z_max_rel_err > 100.0 * Z_TOLERANCE, "{p:?}");
+}
+
+#[test]
+fn skipped_o_scale_chunk_permutation_fails_the_probe() {
+    let p = faulted(Fault::SkipOScaleChunkPermutation);
+    assert!(!p.ok);
+    // Q is untouched; the wo_a scales are wrong.
+    assert_eq!(p.layers[0].q_mismatches, 0, "{p:?}");
+    assert!(p.z_max_rel_err > 100.0 * Z_TOLERANCE, "{p:?}");
+}
+
+#[test]
+fn swapped_heads_fail_the_probe() {
+    let p = faulted(Fault::SwapHeads(0, 1));
+    assert!(!p.ok);
+    // Exactly the two heads' q values move: 2 heads x 512 dims x 4 tokens (minus equal values).
+    assert!(p.layers[0].q_mismatches > 3500 && p.layers[0].q_mismatches <= 2 * 512 * 4, "{p:?}");
+    assert!(p.z_max_rel_err > 100.0 * Z_TOLERANCE, "{p:?}");
+}
+
+/// A BF16 checkpoint quantized with `floor` on the kernel side but `rceil` in the reference.
+#[test]
+fn floor_rule_on_one_side_only_fails_the_probe() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("bf16");
+    let config = ModelConfig::from_preset(Preset::Tiny, Some(1), true).unwrap();
+    write_checkpoint(&dir, &SynthOptions { config, seed: 8, max_shard_bytes: 1 << 30, preset_name: None }).unwrap();
+    let source = LoadSource::open_checkpoint(&dir).unwrap();
+    let spec = ProbeSpec { tokens: 4, latents: 16, seed: 2 };
+    let floor = RankLoader::new(&CpuBackend, source.config(), 2, 0, ScaleRule::Floor).unwrap();
+    let rceil = RankLoader::new(&CpuBackend, source.config(), 2, 0, ScaleRule::Rceil).unwrap();
+    let w = floor.load(&source).unwrap();
+    // Same rule on both sides passes.
+    assert!(probe_rank(&floor, &w, &source, spec, ScaleRule::Floor).unwrap().ok);
+    let p = probe_rank(&rceil, &w, &source, spec, ScaleRule::Floor).unwrap();
+    assert!(!p.ok, "{p:?}");
+    assert!(p.z_max_rel_err > 10.0 * Z_TOLERANCE, "{p:?}");
+}
+
+#[test]
+fn probe_spec_parses_and_rejects() {
+    assert_eq!("16,128".parse::<ProbeSpec>().unwrap(), ProbeSpec { tokens: 16, latents: 128, seed: 0 });
+    assert_eq!("1, 2, 9".parse::<ProbeSpec>().unwrap(), ProbeSpec { tokens: 1, latents: 2, seed: 9 });
+    for bad in ["16", "0,4", "4,x", "1,2,3,4", ""] {
+        assert!(bad.parse::<ProbeSpec>().is_err(), "{bad}");
+    }
+}
