@@ -138,3 +138,26 @@ fn corrupt_checkpoint_fails_inspect_and_load_naming_the_tensor() {
     assert!(err.contains("truncated") && err.contains("layers.1.attn."), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn probe_from_the_command_line_passes_and_is_deterministic() {
+    let args = ["load", "--dummy", "--preset", "tiny", "--layers", "1", "--tp", "2", "--probe", "4,16,5", "--json"];
+    let a = load_json(&args);
+    let b = load_json(&args);
+    assert_eq!(a["ok"], Value::Bool(true));
+    let y = a["y_digest"].as_str().expect("all-ranks mode sums the partials");
+    assert_eq!(y.len(), 16);
+    assert_eq!(a["y_digest"], b["y_digest"], "every run builds the same inputs and sums in rank order");
+    for r in a["ranks"].as_array().unwrap() {
+        let p = &r["probe"];
+        assert_eq!(p["ok"], Value::Bool(true), "{p}");
+        assert_eq!(p["layers"][0]["q_mismatches"], 0);
+        assert!(p["z_max_abs_err"].as_f64().unwrap() <= 1e-3);
+        assert_eq!(p["y_partial_digest"].as_str().unwrap().len(), 16);
+    }
+    // Text mode prints the verdict and y's digest.
+    let o = run("orchestrator-worker", &args[..args.len() - 1]);
+    assert!(o.status.success());
+    let text = stdout(&o);
+    assert!(text.contains("probe T=4 S=16 seed=5: PASS") && text.contains(&format!("digest {y}")), "{text}");
+}
