@@ -1,5 +1,10 @@
-//! `orchestrator`: the coordinator CLI. This milestone: synthesizing and inspecting
-//! checkpoints.
+//! `orchestrator`: the coordinator CLI: launch a cluster of workers and check it, report on
+//! a served cluster, shut it down, and synthesize or inspect checkpoints.
+
+mod cluster;
+mod consistency;
+mod launch;
+mod service;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -24,9 +29,89 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Start a coordinator and one worker process per rank, load, probe, and print the
+    /// consistency report (exit code 0 only when every check agrees).
+    Launch(LaunchArgs),
+    /// Re-run the checks of a `launch --serve` cluster.
+    Report(RemoteArgs),
+    /// Stop a `launch --serve` cluster.
+    Shutdown(RemoteArgs),
     /// Checkpoint tools.
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Device {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Verify {
+    Golden,
+}
+
+#[derive(Args)]
+struct LaunchArgs {
+    /// Tensor-parallel size.
+    #[arg(long)]
+    tp: u32,
+    /// Data-parallel replicas (each a whole TP group).
+    #[arg(long, default_value_t = 1)]
+    dp: u32,
+    /// Hugging Face checkpoint directory (default: a built-in dsv41-flash checkpoint, synthesized once into the cache).
+    #[arg(long, conflicts_with = "dummy")]
+    checkpoint: Option<PathBuf>,
+    /// Generate the weights in every worker instead of reading a checkpoint.
+    #[arg(long)]
+    dummy: bool,
+    #[arg(long, default_value_t = 0, requires = "dummy")]
+    seed: u64,
+    #[arg(long, default_value = "dsv41-flash", requires = "dummy")]
+    preset: String,
+    #[arg(long, requires = "dummy")]
+    layers: Option<usize>,
+    #[arg(long, value_enum, default_value = "fp8", requires = "dummy")]
+    dtype: Dtype,
+    #[arg(long, default_value = "rceil")]
+    scale_rule: orchestrator_kernels::ScaleRule,
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
+    /// Probe every rank: T tokens, S latents, seed.
+    #[arg(long, value_name = "T,S[,SEED]", default_value = "4,64")]
+    probe: orchestrator_worker::probe::ProbeSpec,
+    /// Skip the probes.
+    #[arg(long)]
+    no_probe: bool,
+    /// Also recompute every rank's kernel digests in the coordinator with the plain reference path.
+    #[arg(long, value_enum)]
+    verify: Option<Verify>,
+    /// Debugging: make worker RANK (0..tp*dp, dp-major) reproduce a bug: skip-permute,
+    /// double-permute, stale-reload, crash-during-load.
+    #[arg(long, value_name = "RANK:KIND")]
+    inject_fault: Option<String>,
+    /// Print the report as one JSON document.
+    #[arg(long)]
+    json: bool,
+    /// Keep the cluster up after the report (see `orchestrator report` and `shutdown`).
+    #[arg(long)]
+    serve: bool,
+    /// Coordinator address (loopback by default).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: std::net::SocketAddr,
+}
+
+#[derive(Args)]
+struct RemoteArgs {
+    /// The coordinator, e.g. http://127.0.0.1:50051.
+    #[arg(long)]
+    coordinator: String,
+    #[arg(long)]
+    json: bool,
+    /// Report without re-running the probes.
+    #[arg(long)]
+    no_probe: bool,
 }
 
 #[derive(Subcommand)]
@@ -154,10 +239,109 @@ fn inspect_cmd(a: InspectArgs) -> anyhow::Result<bool> {
     Ok(r.valid)
 }
 
+fn parse_fault(s: &str, workers: u32) -> anyhow::Result<(u32, orchestrator_proto::v1::Fault)> {
+    use orchestrator_proto::v1::Fault;
+    let (rank, kind) = s.split_once(':').ok_or_else(|| anyhow::anyhow!("--inject-fault `{s}`: expected RANK:KIND"))?;
+    let rank: u32 = rank.parse().map_err(|e| anyhow::anyhow!("--inject-fault `{s}`: rank: {e}"))?;
+    anyhow::ensure!(rank < workers, "--inject-fault `{s}`: rank {rank} is outside 0..{workers}");
+    let kind = match kind {
+        "skip-permute" => Fault::SkipPermute,
+        "double-permute" => Fault::DoublePermute,
+        "stale-reload" => Fault::StaleReload,
+        "crash-during-load" => Fault::CrashDuringLoad,
+        other => {
+            anyhow::bail!("--inject-fault `{s}`: unknown kind `{other}` (skip-permute, double-permute, stale-reload, crash-during-load)")
+        }
+    };
+    Ok((rank, kind))
+}
+
+fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
+    use orchestrator_proto::v1 as pb;
+    anyhow::ensure!(a.dp >= 1, "--dp must be at least 1");
+    if let Device::Cuda = a.device {
+        anyhow::bail!("--device cuda: GPU workers are not implemented yet (use --device cpu)");
+    }
+    // Resolve and validate the plan before starting anything.
+    let (source, local, desc) = if a.dummy {
+        let preset: Preset = a.preset.parse()?;
+        let config = ModelConfig::from_preset(preset, a.layers, matches!(a.dtype, Dtype::Bf16))?;
+        let layers = config.geometry.layers;
+        let src = pb::LoadSource {
+            kind: Some(pb::load_source::Kind::Dummy(pb::DummySource {
+                preset: preset.name().into(),
+                layers: layers as u32,
+                seed: a.seed,
+                bf16: matches!(a.dtype, Dtype::Bf16),
+            })),
+        };
+        let local = orchestrator_worker::LoadSource::Dummy { config, generator: orchestrator_model::Generator::new(a.seed) };
+        (src, local, format!("dummy {} x {layers} layers, seed {}", preset.name(), a.seed))
+    } else {
+        let dir = match &a.checkpoint {
+            Some(d) => d.clone(),
+            None => launch::default_checkpoint()?,
+        };
+        let dir = dir.canonicalize().with_context(|| format!("checkpoint {}", dir.display()))?;
+        let local =
+            orchestrator_worker::LoadSource::open_checkpoint(&dir).with_context(|| format!("opening checkpoint {}", dir.display()))?;
+        let src = pb::LoadSource { kind: Some(pb::load_source::Kind::CheckpointDir(dir.display().to_string())) };
+        (src, local, format!("checkpoint {}", dir.display()))
+    };
+    orchestrator_model::plan::validate_tp(&local.config().geometry, a.tp as usize)?;
+    let fault = a.inject_fault.as_deref().map(|s| parse_fault(s, a.tp * a.dp)).transpose()?;
+    let plan = launch::LaunchPlan {
+        tp: a.tp,
+        dp: a.dp,
+        source,
+        local_source: std::sync::Arc::new(local),
+        source_desc: desc,
+        scale_rule: a.scale_rule,
+        probe: (!a.no_probe).then_some(a.probe),
+        fault,
+        verify_golden: a.verify == Some(Verify::Golden),
+        listen: a.listen,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let json = a.json;
+    runtime.block_on(launch::launch(plan, a.serve, |report| {
+        if json {
+            emit(&format!("{}\n", serde_json::to_string_pretty(report).unwrap_or_default()));
+        } else {
+            emit(&report.render());
+        }
+    }))
+}
+
+fn remote_cmd(a: RemoteArgs, shutdown: bool) -> anyhow::Result<bool> {
+    use orchestrator_proto::v1 as pb;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let endpoint = tonic::transport::Endpoint::from_shared(a.coordinator.clone())?.connect_timeout(std::time::Duration::from_secs(5));
+        let channel = endpoint.connect().await.with_context(|| format!("connecting to {}", a.coordinator))?;
+        let mut client = pb::coordinator_client::CoordinatorClient::new(channel).max_decoding_message_size(64 << 20);
+        if shutdown {
+            let mut req = tonic::Request::new(pb::ShutdownRequest {});
+            req.set_timeout(std::time::Duration::from_secs(10));
+            client.shutdown(req).await.map_err(|s| anyhow::anyhow!("shutdown: {}", s.message()))?;
+            emit("shutdown requested\n");
+            return Ok(true);
+        }
+        let mut req = tonic::Request::new(pb::ClusterReportRequest { probe: !a.no_probe });
+        req.set_timeout(std::time::Duration::from_secs(1800));
+        let r = client.report(req).await.map_err(|s| anyhow::anyhow!("report: {}", s.message()))?.into_inner();
+        emit(&if a.json { format!("{}\n", r.json) } else { r.text });
+        Ok(r.ok)
+    })
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Launch(a) => launch_cmd(a),
+        Command::Report(a) => remote_cmd(a, false),
+        Command::Shutdown(a) => remote_cmd(a, true),
         Command::Checkpoint(CheckpointCommand::Synth(a)) => synth(a),
         Command::Checkpoint(CheckpointCommand::Inspect(a)) => inspect_cmd(a),
     };

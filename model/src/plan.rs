@@ -15,6 +15,9 @@ pub fn validate_tp(geometry: &Geometry, tp: usize) -> Result<(), ModelError> {
     if tp == 0 {
         return err("TP size must be at least 1".to_string());
     }
+    if geometry.o_groups == 0 || geometry.heads == 0 {
+        return err(format!("the geometry has {} heads in {} o_groups", geometry.heads, geometry.o_groups));
+    }
     if !geometry.heads.is_multiple_of(tp) {
         return err(format!("{tp} ranks do not split {} heads evenly", geometry.heads));
     }
@@ -43,7 +46,8 @@ pub fn validate_tp(geometry: &Geometry, tp: usize) -> Result<(), ModelError> {
 pub fn valid_tp_sizes(geometry: &Geometry) -> Vec<usize> {
     (1..=geometry.heads)
         .filter(|&t| {
-            geometry.heads.is_multiple_of(t)
+            geometry.o_groups >= t
+                && geometry.heads.is_multiple_of(t)
                 && (geometry.heads / t).is_multiple_of(HEADS_PER_GROUP)
                 && geometry.o_groups.is_multiple_of(t)
                 && (geometry.heads / t) / (geometry.o_groups / t) == HEADS_PER_GROUP
@@ -106,6 +110,9 @@ mod tests {
         assert!(matches!(validate_tp(&g, 3), Err(ModelError::TpSize { tp: 3, .. })));
         assert!(matches!(validate_tp(&g, 0), Err(ModelError::TpSize { tp: 0, .. })));
         assert_eq!(valid_tp_sizes(&Preset::Dsv4Pro.geometry()), vec![1, 2, 4, 8, 16]);
+        let no_groups = Geometry { o_groups: 0, ..g };
+        assert!(matches!(validate_tp(&no_groups, 1), Err(ModelError::TpSize { .. })));
+        assert!(valid_tp_sizes(&no_groups).is_empty());
     }
 
     #[test]

@@ -21,6 +21,22 @@ pub enum Fault {
     SkipOScaleChunkPermutation,
     /// Two heads' `wq_b` rows swapped.
     SwapHeads(usize, usize),
+    /// A reload wrote checkpoint-order `wq_b` and `wo_a` (weights and scales) under the kernel
+    /// hooks: the vLLM reload bug that collapsed accuracy without an error.
+    StaleReload,
+}
+
+impl std::str::FromStr for Fault {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "skip-permute" => Ok(Fault::SkipQPermutation),
+            "double-permute" => Ok(Fault::DoubleQPermutation),
+            "skip-o-scale-permute" => Ok(Fault::SkipOScaleChunkPermutation),
+            "stale-reload" => Ok(Fault::StaleReload),
+            other => Err(format!("unknown fault `{other}` (expected skip-permute, double-permute, skip-o-scale-permute or stale-reload)")),
+        }
+    }
 }
 
 /// Applies `fault` to every layer of a rank.
@@ -34,6 +50,14 @@ pub fn inject(weights: &mut RankWeights<CpuBackend>, fault: Fault) -> Result<(),
             Fault::SkipQPermutation => permute_linear_rows(&mut layer.wq_b, &q.rows().inverse())?,
             Fault::DoubleQPermutation => permute_linear_rows(&mut layer.wq_b, q.rows())?,
             Fault::SkipOScaleChunkPermutation => unpermute_packed_scale_chunks(&mut layer.wo_a, o.chunks())?,
+            Fault::StaleReload => {
+                permute_linear_rows(&mut layer.wq_b, &q.rows().inverse())?;
+                unpermute_packed_scale_chunks(&mut layer.wo_a, o.chunks())?;
+                let k = *layer.wo_a.weight_shape.last().unwrap_or(&0);
+                let mut w = Vec::new();
+                gather_runs(&layer.wo_a.weight, k, 32, &o.chunks().inverse(), &mut w)?;
+                layer.wo_a.weight = w;
+            }
             Fault::SwapHeads(a, b) => {
                 // In the fused layout, head h's dim d sits at row (d/16)*(H*16) + h*16 + d%16.
                 let mut map: Vec<u32> = (0..(heads * head_dim) as u32).collect();

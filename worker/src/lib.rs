@@ -2,14 +2,17 @@
 //! the permuting pipeline, on a compute backend, and reports what its kernels will read.
 
 pub mod bench;
+pub mod collective;
 pub mod dump;
 pub mod faults;
+pub mod golden;
 pub mod identity;
 pub mod loader;
 pub mod output;
 pub mod probe;
 pub mod report;
 pub mod roundtrip;
+pub mod server;
 pub mod source;
 
 pub use identity::LayoutIdentity;

@@ -165,6 +165,15 @@ pub struct RankWeights<B: Backend> {
 }
 
 impl<B: Backend> RankWeights<B> {
+    /// Recomputes the kernel digests from the buffers (after anything edited them in place).
+    pub fn refresh_kernel_digests(&mut self, backend: &B) -> Result<(), LoadError> {
+        let heads = self.shard.n_local_heads;
+        for l in &mut self.layers {
+            l.kernel = kernel_digests(backend, l.layer, [&l.wq_b, &l.wo_a, &l.wo_b], &l.attn_sink, heads)?;
+        }
+        Ok(())
+    }
+
     /// All kernel tensor digests, sorted by name.
     pub fn kernel_digests(&self) -> Vec<&TensorDigest> {
         let mut v: Vec<&TensorDigest> = self.layers.iter().flat_map(|l| &l.kernel).collect();
@@ -250,11 +259,23 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
     where
         B::Buffer: Send,
     {
+        self.load_with_progress(source, &|_| {})
+    }
+
+    /// [`RankLoader::load`], calling `progress(layer)` as each layer finishes.
+    pub fn load_with_progress(&self, source: &LoadSource, progress: &(dyn Fn(usize) + Sync)) -> Result<RankWeights<B>, LoadError>
+    where
+        B::Buffer: Send,
+    {
         self.check_source(source)?;
         let start = Instant::now();
         let layers: Vec<LayerWeights<B>> = (0..self.geometry.layers)
             .into_par_iter()
-            .map(|l| self.load_layer(source, l, LayerScratch::default()))
+            .map(|l| {
+                let layer = self.load_layer(source, l, LayerScratch::default());
+                progress(l);
+                layer
+            })
             .collect::<Result<_, _>>()?;
         Ok(self.assemble(source, layers, start.elapsed(), 1))
     }
@@ -266,6 +287,19 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
     where
         B::Buffer: Send,
     {
+        self.reload_with_progress(weights, source, &|_| {})
+    }
+
+    /// [`RankLoader::reload`], calling `progress(layer)` as each layer finishes.
+    pub fn reload_with_progress(
+        &self,
+        weights: RankWeights<B>,
+        source: &LoadSource,
+        progress: &(dyn Fn(usize) + Sync),
+    ) -> Result<RankWeights<B>, LoadError>
+    where
+        B::Buffer: Send,
+    {
         self.check_source(source)?;
         let start = Instant::now();
         let generation = weights.generation + 1;
@@ -274,7 +308,9 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             .into_par_iter()
             .map(|old| {
                 let layer = old.layer;
-                self.load_layer(source, layer, old.into_scratch())
+                let loaded = self.load_layer(source, layer, old.into_scratch());
+                progress(layer);
+                loaded
             })
             .collect::<Result<_, _>>()?;
         Ok(self.assemble(source, layers, start.elapsed(), generation))
@@ -380,30 +416,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         };
 
         let t = Instant::now();
-        let mut kernel = Vec::with_capacity(7);
-        for (param, kt) in [(Param::WqB, &wq_b), (Param::WoA, &wo_a), (Param::WoB, &wo_b)] {
-            let wname = kernel_name(layer, param, Part::Weight);
-            let sname = kernel_name(layer, param, Part::Scale);
-            let wd = self.backend.digest(&kt.weight).map_err(|e| tensor_error(&wname, None, e))?;
-            let sd = self.backend.digest(&kt.scale).map_err(|e| tensor_error(&sname, None, e))?;
-            let (sdtype, sshape) = kt.scale_layout.dtype_and_shape();
-            kernel.push(TensorDigest {
-                name: wname,
-                dtype: "F8_E4M3".into(),
-                shape: kt.weight_shape.clone(),
-                bytes: self.backend.len(&kt.weight),
-                digest: wd,
-            });
-            kernel.push(TensorDigest { name: sname, dtype: sdtype.into(), shape: sshape, bytes: self.backend.len(&kt.scale), digest: sd });
-        }
-        let sink_name = kernel_name(layer, Param::AttnSink, Part::Weight);
-        kernel.push(TensorDigest {
-            name: sink_name.clone(),
-            dtype: "F32".into(),
-            shape: vec![self.shard.n_local_heads],
-            bytes: self.backend.len(&attn_sink),
-            digest: self.backend.digest(&attn_sink).map_err(|e| tensor_error(&sink_name, None, e))?,
-        });
+        let kernel = kernel_digests(self.backend, layer, [&wq_b, &wo_a, &wo_b], &attn_sink, self.shard.n_local_heads)?;
         times.digest_s += t.elapsed().as_secs_f64();
 
         Ok(LayerWeights { layer, wq_b, wo_a, wo_b, attn_sink, source: source_digests, kernel, times, scratch })
@@ -520,6 +533,41 @@ pub fn rank_slice(g: &Geometry, format: WeightFormat, s: &RankShard, spec: &Tens
         Param::WoB => (0..rows, div(s.wo_b_cols(g), bk)),
         Param::AttnSink => (0..1, s.heads()),
     }
+}
+
+/// Digests of one layer's kernel-visible tensors, in storage order.
+fn kernel_digests<B: Backend>(
+    backend: &B,
+    layer: usize,
+    [wq_b, wo_a, wo_b]: [&KernelTensor<B>; 3],
+    attn_sink: &B::Buffer,
+    heads: usize,
+) -> Result<Vec<TensorDigest>, LoadError> {
+    let mut kernel = Vec::with_capacity(7);
+    for (param, kt) in [(Param::WqB, wq_b), (Param::WoA, wo_a), (Param::WoB, wo_b)] {
+        let wname = kernel_name(layer, param, Part::Weight);
+        let sname = kernel_name(layer, param, Part::Scale);
+        let wd = backend.digest(&kt.weight).map_err(|e| tensor_error(&wname, None, e))?;
+        let sd = backend.digest(&kt.scale).map_err(|e| tensor_error(&sname, None, e))?;
+        let (sdtype, sshape) = kt.scale_layout.dtype_and_shape();
+        kernel.push(TensorDigest {
+            name: wname,
+            dtype: "F8_E4M3".into(),
+            shape: kt.weight_shape.clone(),
+            bytes: backend.len(&kt.weight),
+            digest: wd,
+        });
+        kernel.push(TensorDigest { name: sname, dtype: sdtype.into(), shape: sshape, bytes: backend.len(&kt.scale), digest: sd });
+    }
+    let sink_name = kernel_name(layer, Param::AttnSink, Part::Weight);
+    kernel.push(TensorDigest {
+        name: sink_name.clone(),
+        dtype: "F32".into(),
+        shape: vec![heads],
+        bytes: backend.len(attn_sink),
+        digest: backend.digest(attn_sink).map_err(|e| tensor_error(&sink_name, None, e))?,
+    });
+    Ok(kernel)
 }
 
 fn tensor_error(tensor: &str, file: Option<PathBuf>, source: KernelError) -> LoadError {

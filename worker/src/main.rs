@@ -28,6 +28,8 @@ enum Command {
     /// MXFP8 GEMM GFLOP/s on the dsv41-flash TP 4 shapes next to a naive loop and the peak,
     /// and the time of one probe.
     BenchGemm(BenchGemmArgs),
+    /// Serve the Worker gRPC service (started by `orchestrator launch`, one per rank).
+    Serve(ServeArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -112,6 +114,19 @@ struct BenchArgs {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    /// Address to listen on (loopback by default; port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: std::net::SocketAddr,
+    /// Coordinator to register with (`http://host:port`).
+    #[arg(long)]
+    coordinator: Option<String>,
+    /// This worker's id, given by the launcher.
+    #[arg(long, default_value_t = 0)]
+    worker_id: u32,
+}
+
+#[derive(Args)]
 struct BenchGemmArgs {
     /// Token counts (GEMM M).
     #[arg(long, value_delimiter = ',', default_value = "1,16,128")]
@@ -186,6 +201,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Load(args) => load(args),
+        Command::Serve(args) => (|| {
+            let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+            runtime.block_on(orchestrator_worker::server::serve(args.listen, args.coordinator, args.worker_id))?;
+            Ok(true)
+        })(),
         Command::BenchGemm(args) => (|| {
             let report = bench::run_gemm(&args.tokens)?;
             if args.json {

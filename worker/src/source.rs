@@ -46,6 +46,25 @@ impl LoadSource {
         }
     }
 
+    /// The checkpoint version: XXH3-64 of `config.json` and the index (for a dummy source, of
+    /// its configuration and seed), as 16 hex digits.
+    pub fn version(&self) -> String {
+        match self {
+            LoadSource::Safetensors(c) => {
+                let read = |name: &str| std::fs::read(c.dir().join(name)).unwrap_or_default();
+                orchestrator_kernels::Digest::of_parts([
+                    read(orchestrator_model::checkpoint::CONFIG_FILE).as_slice(),
+                    read(orchestrator_model::checkpoint::INDEX_FILE).as_slice(),
+                ])
+                .hex()
+            }
+            LoadSource::Dummy { config, generator } => {
+                let text = format!("dummy\n{:?}\n{:?}\nseed={}\n", config.geometry, config.format, generator.seed);
+                orchestrator_kernels::Digest::of(text.as_bytes()).hex()
+            }
+        }
+    }
+
     /// Rows x columns of a tensor: mapped in place when the rows are whole (no copy), otherwise
     /// copied (or generated) into `staging`.
     pub fn fetch(&self, spec: &TensorSpec, rows: Range<usize>, cols: Range<usize>, staging: &mut Vec<u8>) -> Result<Fetched, ModelError> {

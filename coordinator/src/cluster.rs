@@ -1,0 +1,372 @@
+//! The cluster as the coordinator runs it: worker processes started next to this binary (as
+//! TGI's launcher starts its shards), their registrations and heartbeats, and the operations
+//! fanned out to every rank (assign, load, probe, report, shutdown) under a watchdog that turns
+//! a worker that exits or stops answering into a failure named by rank within seconds.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use orchestrator_proto::v1 as pb;
+use orchestrator_proto::v1::worker_client::WorkerClient;
+use tokio::process::{Child, Command};
+use tokio::task::JoinSet;
+use tonic::transport::{Channel, Endpoint};
+
+/// A worker that misses heartbeats this long has stopped answering.
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(4);
+/// Deadlines of the calls to workers.
+pub const ASSIGN_DEADLINE: Duration = Duration::from_secs(60);
+pub const LOAD_DEADLINE: Duration = Duration::from_secs(1800);
+pub const PROBE_DEADLINE: Duration = Duration::from_secs(1800);
+pub const REPORT_DEADLINE: Duration = Duration::from_secs(300);
+pub const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(5);
+
+/// What a worker told the coordinator when it registered, and when it was last heard from.
+#[derive(Clone, Debug)]
+pub struct Registration {
+    pub address: String,
+    pub host: String,
+    pub device: String,
+    pub pid: u32,
+    pub last_heartbeat: Instant,
+}
+
+/// Registrations by worker id, shared with the Coordinator service.
+#[derive(Default)]
+pub struct Registry {
+    pub workers: Mutex<HashMap<u32, Registration>>,
+}
+
+impl Registry {
+    pub fn register(&self, id: u32, r: Registration) {
+        self.workers.lock().unwrap_or_else(|p| p.into_inner()).insert(id, r);
+    }
+    pub fn heartbeat(&self, id: u32) -> bool {
+        match self.workers.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&id) {
+            Some(r) => {
+                r.last_heartbeat = Instant::now();
+                true
+            }
+            None => false,
+        }
+    }
+    pub fn get(&self, id: u32) -> Option<Registration> {
+        self.workers.lock().unwrap_or_else(|p| p.into_inner()).get(&id).cloned()
+    }
+}
+
+/// One rank's worker process.
+pub struct WorkerHandle {
+    pub id: u32,
+    pub dp: u32,
+    pub tp: u32,
+    pub child: Arc<tokio::sync::Mutex<Child>>,
+    pub client: Option<WorkerClient<Channel>>,
+    pub collective: String,
+}
+
+impl WorkerHandle {
+    pub fn label(&self) -> String {
+        format!("rank dp{}/tp{} (worker {})", self.dp, self.tp, self.id)
+    }
+}
+
+/// The running cluster.
+pub struct Cluster {
+    pub tp: u32,
+    pub dp: u32,
+    pub workers: Vec<WorkerHandle>,
+    pub registry: Arc<Registry>,
+}
+
+/// A failure named by rank.
+pub type Failures = Vec<(u32, String)>;
+
+fn worker_binary() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().ok_or_else(|| anyhow::anyhow!("{} has no parent directory", exe.display()))?;
+    let path = dir.join(format!("orchestrator-worker{}", std::env::consts::EXE_SUFFIX));
+    anyhow::ensure!(path.exists(), "the worker binary {} is missing (build the workspace: `cargo build --workspace`)", path.display());
+    Ok(path)
+}
+
+impl Cluster {
+    /// Starts `tp * dp` worker processes that register with `coordinator`.
+    pub fn spawn(tp: u32, dp: u32, coordinator: &str, registry: Arc<Registry>) -> anyhow::Result<Self> {
+        let bin = worker_binary()?;
+        let mut workers = Vec::new();
+        for id in 0..tp * dp {
+            let child = Command::new(&bin)
+                .args(["serve", "--coordinator", coordinator, "--worker-id", &id.to_string()])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .kill_on_drop(true)
+                .spawn()
+                .map_err(|e| anyhow::anyhow!("starting {}: {e}", bin.display()))?;
+            workers.push(WorkerHandle {
+                id,
+                dp: id / tp,
+                tp: id % tp,
+                child: Arc::new(tokio::sync::Mutex::new(child)),
+                client: None,
+                collective: String::new(),
+            });
+        }
+        Ok(Self { tp, dp, workers, registry })
+    }
+
+    /// The first worker that exited or stopped answering, checked every 100 ms; never returns
+    /// while all are healthy.
+    pub async fn watchdog(&self) -> Failures {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let mut failures = Vec::new();
+            for w in &self.workers {
+                if let Ok(Some(status)) = w.child.lock().await.try_wait() {
+                    failures.push((w.id, format!("{} exited ({status})", w.label())));
+                    continue;
+                }
+                if let Some(r) = self.registry.get(w.id) {
+                    let silent = r.last_heartbeat.elapsed();
+                    if silent > HEARTBEAT_TIMEOUT {
+                        failures.push((
+                            w.id,
+                            format!(
+                                "{} (pid {} on {}, {}) stopped answering: no heartbeat for {:.1} s",
+                                w.label(),
+                                r.pid,
+                                r.host,
+                                r.device,
+                                silent.as_secs_f64()
+                            ),
+                        ));
+                    }
+                }
+            }
+            if !failures.is_empty() {
+                return failures;
+            }
+        }
+    }
+
+    /// Runs `fut` unless a worker fails first.
+    pub async fn guarded<T>(&self, fut: impl Future<Output = T>) -> Result<T, Failures> {
+        tokio::select! {
+            out = fut => Ok(out),
+            failures = self.watchdog() => Err(failures),
+        }
+    }
+
+    /// Waits until every worker registered (or one exits, or the deadline passes), then
+    /// connects to each.
+    pub async fn connect_all(&mut self, deadline: Duration) -> Result<(), Failures> {
+        let start = Instant::now();
+        loop {
+            let missing: Vec<u32> = self.workers.iter().filter(|w| self.registry.get(w.id).is_none()).map(|w| w.id).collect();
+            if missing.is_empty() {
+                break;
+            }
+            for w in &self.workers {
+                if let Ok(Some(status)) = w.child.lock().await.try_wait() {
+                    return Err(vec![(w.id, format!("{} exited before registering ({status})", w.label()))]);
+                }
+            }
+            if start.elapsed() > deadline {
+                return Err(missing
+                    .into_iter()
+                    .map(|id| (id, format!("worker {id} did not register within {} s", deadline.as_secs())))
+                    .collect());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for w in &mut self.workers {
+            let reg = self.registry.get(w.id).expect("registered above");
+            let endpoint = Endpoint::from_shared(reg.address.clone())
+                .map_err(|e| vec![(w.id, format!("{}: bad address {}: {e}", w.label(), reg.address))])?
+                .connect_timeout(Duration::from_secs(5));
+            let channel =
+                endpoint.connect().await.map_err(|e| vec![(w.id, format!("{}: connecting to {}: {e}", w.label(), reg.address))])?;
+            w.client = Some(WorkerClient::new(channel).max_decoding_message_size(64 << 20));
+        }
+        Ok(())
+    }
+
+    /// Calls `op` on every worker concurrently, under the watchdog; results by worker id.
+    pub async fn fan_out<T, F, Fut>(&self, op: F) -> Result<BTreeMap<u32, Result<T, String>>, Failures>
+    where
+        T: Send + 'static,
+        F: Fn(&WorkerHandle, WorkerClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<T, String>> + Send + 'static,
+    {
+        let mut set = JoinSet::new();
+        for w in &self.workers {
+            let Some(client) = w.client.clone() else { continue };
+            let id = w.id;
+            let fut = op(w, client);
+            set.spawn(async move { (id, fut.await) });
+        }
+        self.guarded(async move {
+            let mut out = BTreeMap::new();
+            while let Some(joined) = set.join_next().await {
+                if let Ok((id, r)) = joined {
+                    out.insert(id, r);
+                }
+            }
+            out
+        })
+        .await
+    }
+
+    /// Assigns `(dp, tp)` shards; records each rank's collective address.
+    pub async fn assign(&mut self, source: &pb::LoadSource, scale_rule: &str, fault: Option<(u32, pb::Fault)>) -> Result<(), Failures> {
+        let (tp, dp) = (self.tp, self.dp);
+        let results = self
+            .fan_out(|w, mut client| {
+                let mut req = tonic::Request::new(pb::AssignRequest {
+                    tp_size: tp,
+                    tp_rank: w.tp,
+                    dp_size: dp,
+                    dp_rank: w.dp,
+                    source: Some(source.clone()),
+                    scale_rule: scale_rule.to_string(),
+                    fault: fault.filter(|(rank, _)| *rank == w.id).map(|(_, f)| f as i32).unwrap_or(0),
+                });
+                req.set_timeout(ASSIGN_DEADLINE);
+                let label = w.label();
+                async move {
+                    client
+                        .assign(req)
+                        .await
+                        .map(|r| r.into_inner().collective_address)
+                        .map_err(|s| format!("{label}: assign: {}", s.message()))
+                }
+            })
+            .await?;
+        let mut failures = Vec::new();
+        for w in &mut self.workers {
+            match results.get(&w.id) {
+                Some(Ok(addr)) => w.collective = addr.clone(),
+                Some(Err(e)) => failures.push((w.id, e.clone())),
+                None => failures.push((w.id, format!("{}: assign did not complete", w.label()))),
+            }
+        }
+        if failures.is_empty() { Ok(()) } else { Err(failures) }
+    }
+
+    /// Loads every rank in parallel, showing progress on stderr; load seconds by worker.
+    pub async fn load(&self) -> Result<BTreeMap<u32, Result<f64, String>>, Failures> {
+        let progress: Arc<Mutex<BTreeMap<u32, (u32, u32)>>> = Arc::new(Mutex::new(BTreeMap::new()));
+        let terminal = std::io::stderr().is_terminal();
+        let labels: BTreeMap<u32, String> = self.workers.iter().map(|w| (w.id, format!("dp{}/tp{}", w.dp, w.tp))).collect();
+        let show = {
+            let progress = progress.clone();
+            let labels = labels.clone();
+            move |id: u32, done: u32, total: u32, finished: Option<f64>| {
+                let mut p = progress.lock().unwrap_or_else(|e| e.into_inner());
+                p.insert(id, (done, total));
+                if terminal {
+                    let line: Vec<String> = p.iter().map(|(i, (d, t))| format!("{} {d}/{t}", labels[i])).collect();
+                    eprint!("\rloading: {}   ", line.join("  "));
+                } else if let Some(s) = finished {
+                    eprintln!("loaded rank {} ({done} layers) in {s:.2} s", labels[&id]);
+                }
+            }
+        };
+        let show = Arc::new(show);
+        let result = self
+            .fan_out(|w, mut client| {
+                let label = w.label();
+                let id = w.id;
+                let show = show.clone();
+                async move {
+                    let mut req = tonic::Request::new(pb::LoadRequest {});
+                    req.set_timeout(LOAD_DEADLINE);
+                    let mut stream = client.load(req).await.map_err(|s| format!("{label}: load: {}", s.message()))?.into_inner();
+                    loop {
+                        match stream.message().await {
+                            Ok(Some(p)) => {
+                                show(id, p.layers_done, p.layers_total, p.finished.then_some(p.load_seconds));
+                                if p.finished {
+                                    return Ok(p.load_seconds);
+                                }
+                            }
+                            Ok(None) => return Err(format!("{label}: load stream ended before the load finished")),
+                            Err(s) => return Err(format!("{label}: load: {}", s.message())),
+                        }
+                    }
+                }
+            })
+            .await;
+        if terminal {
+            eprintln!();
+        }
+        result
+    }
+
+    /// Runs the probe on every rank; each TP group all-reduces over its ring.
+    pub async fn probe(
+        &self,
+        tokens: u32,
+        latents: u32,
+        seed: u64,
+        round: u64,
+    ) -> Result<BTreeMap<u32, Result<pb::ProbeResult, String>>, Failures> {
+        let peers: BTreeMap<u32, Vec<String>> =
+            (0..self.dp).map(|dp| (dp, self.workers.iter().filter(|w| w.dp == dp).map(|w| w.collective.clone()).collect())).collect();
+        self.fan_out(|w, mut client| {
+            let mut req = tonic::Request::new(pb::ProbeRequest {
+                tokens,
+                latents,
+                seed,
+                group: (round << 16) | u64::from(w.dp),
+                peers: peers[&w.dp].clone(),
+                timeout_ms: 15_000,
+            });
+            req.set_timeout(PROBE_DEADLINE);
+            let label = w.label();
+            async move { client.probe(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: probe: {}", s.message())) }
+        })
+        .await
+    }
+
+    /// Every rank's report.
+    pub async fn reports(&self) -> Result<BTreeMap<u32, Result<pb::RankReport, String>>, Failures> {
+        self.fan_out(|w, mut client| {
+            let mut req = tonic::Request::new(pb::ReportRequest {});
+            req.set_timeout(REPORT_DEADLINE);
+            let label = w.label();
+            async move { client.report(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: report: {}", s.message())) }
+        })
+        .await
+    }
+
+    /// Asks every worker to stop, then kills any that did not.
+    pub async fn shutdown(&self) {
+        for w in &self.workers {
+            if let Some(mut client) = w.client.clone() {
+                let mut req = tonic::Request::new(pb::ShutdownRequest {});
+                req.set_timeout(SHUTDOWN_DEADLINE);
+                let _ = client.shutdown(req).await;
+            }
+        }
+        for w in &self.workers {
+            let mut child = w.child.lock().await;
+            if tokio::time::timeout(SHUTDOWN_DEADLINE, child.wait()).await.is_err() {
+                let _ = child.kill().await;
+            }
+        }
+    }
+
+    /// Kills every worker at once (after a failure).
+    pub async fn kill_all(&self) {
+        for w in &self.workers {
+            let _ = w.child.lock().await.kill().await;
+        }
+    }
+}

@@ -1,0 +1,336 @@
+//! The consistency report: one row per rank and a verdict per cross-rank rule. A disagreement
+//! names the ranks, the tensor and the rule.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use orchestrator_proto::v1 as pb;
+use serde::Serialize;
+
+/// One rank as the report sees it.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankRow {
+    pub worker: u32,
+    pub dp: u32,
+    pub tp: u32,
+    pub host: String,
+    pub device: String,
+    pub pid: u32,
+    pub load_format: String,
+    pub checkpoint_version: String,
+    pub layout_identity: String,
+    pub geometry_digest: String,
+    pub kernel_rank_digest: String,
+    pub round_trip_ok: bool,
+    pub round_trip_failures: Vec<String>,
+    pub probe: Option<ProbeCell>,
+    pub load_seconds: f64,
+    /// Tensor name -> digest (not printed in the table; used by the rules and `--json`).
+    pub kernel_tensors: BTreeMap<String, String>,
+    /// Set when the worker failed (exited, stopped answering, or an RPC failed).
+    pub failure: Option<String>,
+    pub verdict: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ProbeCell {
+    pub ok: bool,
+    pub q_mismatches: u64,
+    pub z_max_abs_err: f32,
+    pub z_max_rel_err: f32,
+    pub y_max_abs_err: f32,
+    pub y_partial_digest: String,
+    pub y_digest: String,
+    pub kernel_seconds: f64,
+    pub reference_seconds: f64,
+    pub allreduce_seconds: f64,
+}
+
+impl From<&pb::ProbeResult> for ProbeCell {
+    fn from(p: &pb::ProbeResult) -> Self {
+        Self {
+            ok: p.ok,
+            q_mismatches: p.q_mismatches,
+            z_max_abs_err: p.z_max_abs_err,
+            z_max_rel_err: p.z_max_rel_err,
+            y_max_abs_err: p.y_max_abs_err,
+            y_partial_digest: p.y_partial_digest.clone(),
+            y_digest: p.y_digest.clone(),
+            kernel_seconds: p.kernel_seconds,
+            reference_seconds: p.reference_seconds,
+            allreduce_seconds: p.allreduce_seconds,
+        }
+    }
+}
+
+/// A rank that did not report (it failed).
+pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: String) -> RankRow {
+    RankRow {
+        worker,
+        dp,
+        tp,
+        host: String::new(),
+        device: String::new(),
+        pid: 0,
+        load_format: String::new(),
+        checkpoint_version: String::new(),
+        layout_identity: String::new(),
+        geometry_digest: String::new(),
+        kernel_rank_digest: String::new(),
+        round_trip_ok: false,
+        round_trip_failures: Vec::new(),
+        probe: None,
+        load_seconds: 0.0,
+        kernel_tensors: BTreeMap::new(),
+        failure: Some(failure),
+        verdict: "FAILED".into(),
+    }
+}
+
+/// A rank's row from its report (and probe, if one ran).
+pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> RankRow {
+    let id = r.identity.clone().unwrap_or_default();
+    RankRow {
+        worker,
+        dp: r.dp_rank,
+        tp: r.tp_rank,
+        host: r.host.clone(),
+        device: r.device.clone(),
+        pid: r.pid,
+        load_format: r.load_format.clone(),
+        checkpoint_version: r.checkpoint_version.clone(),
+        layout_identity: id.digest,
+        geometry_digest: id.geometry_digest,
+        kernel_rank_digest: r.kernel_rank_digest.clone(),
+        round_trip_ok: r.round_trip_ok,
+        round_trip_failures: r.round_trip_failures.clone(),
+        probe: probe.map(ProbeCell::from),
+        load_seconds: r.load_seconds,
+        kernel_tensors: r.kernel_tensors.iter().map(|t| (t.name.clone(), t.digest.clone())).collect(),
+        failure: None,
+        verdict: String::new(),
+    }
+}
+
+/// One cross-rank rule's verdict.
+#[derive(Clone, Debug, Serialize)]
+pub struct Rule {
+    pub rule: String,
+    pub ok: bool,
+    /// Each disagreement: ranks, tensor, what differs.
+    pub findings: Vec<String>,
+}
+
+/// Everything the report says.
+#[derive(Clone, Debug, Serialize)]
+pub struct ConsistencyReport {
+    pub ok: bool,
+    pub tp_size: u32,
+    pub dp_size: u32,
+    pub source: String,
+    pub ranks: Vec<RankRow>,
+    pub rules: Vec<Rule>,
+    pub timings: BTreeMap<String, f64>,
+}
+
+fn label(r: &RankRow) -> String {
+    format!("rank dp{}/tp{}", r.dp, r.tp)
+}
+
+/// Tensors whose digests differ between two ranks.
+fn differing_tensors(a: &RankRow, b: &RankRow) -> Vec<String> {
+    a.kernel_tensors.iter().filter(|(n, d)| b.kernel_tensors.get(*n) != Some(d)).map(|(n, _)| n.clone()).collect()
+}
+
+fn rule(name: &str, findings: Vec<String>) -> Rule {
+    Rule { rule: name.to_string(), ok: findings.is_empty(), findings }
+}
+
+/// Applies the cross-rank rules and sets every row's verdict. `golden` holds, per tp rank, the
+/// tensor digests the coordinator recomputed from the checkpoint (`--verify golden`).
+pub fn evaluate(
+    tp_size: u32,
+    dp_size: u32,
+    source: String,
+    mut ranks: Vec<RankRow>,
+    golden: Option<&BTreeMap<u32, BTreeMap<String, String>>>,
+    timings: BTreeMap<String, f64>,
+) -> ConsistencyReport {
+    ranks.sort_by_key(|r| (r.dp, r.tp));
+    let live: Vec<&RankRow> = ranks.iter().filter(|r| r.failure.is_none()).collect();
+    let mut rules = Vec::new();
+
+    rules
+        .push(rule("every rank answered", ranks.iter().filter_map(|r| r.failure.as_ref().map(|f| format!("{}: {f}", label(r)))).collect()));
+
+    // Replicas with the same tp_rank hold identical kernel digests.
+    let mut f = Vec::new();
+    for tp in 0..tp_size {
+        let replicas: Vec<&&RankRow> = live.iter().filter(|r| r.tp == tp).collect();
+        if let Some(first) = replicas.first() {
+            for other in &replicas[1..] {
+                if other.kernel_rank_digest != first.kernel_rank_digest {
+                    let tensors = differing_tensors(first, other);
+                    f.push(format!("{} and {} differ in {}", label(first), label(other), tensors.join(", ")));
+                }
+            }
+        }
+    }
+    rules.push(rule("replicas with the same tp_rank hold identical kernel digests", f));
+
+    // All layout identities agree on geometry and version; all ranks load the same checkpoint.
+    let mut f = Vec::new();
+    if let Some(first) = live.first() {
+        for other in &live[1..] {
+            if other.geometry_digest != first.geometry_digest {
+                f.push(format!("{} and {} have different layout identities (geometry/format/rule/version)", label(first), label(other)));
+            }
+            if other.checkpoint_version != first.checkpoint_version {
+                f.push(format!(
+                    "{} loaded checkpoint version {} but {} loaded {}",
+                    label(other),
+                    other.checkpoint_version,
+                    label(first),
+                    first.checkpoint_version
+                ));
+            }
+        }
+    }
+    rules.push(rule("all layout identities agree on geometry and version", f));
+
+    rules.push(rule(
+        "every round trip holds",
+        live.iter().filter(|r| !r.round_trip_ok).map(|r| format!("{}: {}", label(r), r.round_trip_failures.join("; "))).collect(),
+    ));
+
+    let probed: Vec<&&RankRow> = live.iter().filter(|r| r.probe.is_some()).collect();
+    if !probed.is_empty() {
+        rules.push(rule(
+            "every probe is within tolerance (q bit-exact, z within 1e-3)",
+            probed
+                .iter()
+                .filter_map(|r| {
+                    let p = r.probe.as_ref()?;
+                    (!p.ok).then(|| {
+                        format!(
+                            "{}: q differs in {} values, z max err {:.3e} abs / {:.3e} rel",
+                            label(r),
+                            p.q_mismatches,
+                            p.z_max_abs_err,
+                            p.z_max_rel_err
+                        )
+                    })
+                })
+                .collect(),
+        ));
+        let mut f = Vec::new();
+        let mut group_y: BTreeMap<u32, String> = BTreeMap::new();
+        for dp in 0..dp_size {
+            let members: Vec<&&&RankRow> = probed.iter().filter(|r| r.dp == dp).collect();
+            if let Some(first) = members.first() {
+                let y = &first.probe.as_ref().expect("probed").y_digest;
+                group_y.insert(dp, y.clone());
+                for other in &members[1..] {
+                    let oy = &other.probe.as_ref().expect("probed").y_digest;
+                    if oy != y {
+                        f.push(format!("{} has y {} but {} has y {}", label(other), oy, label(first), y));
+                    }
+                }
+            }
+        }
+        rules.push(rule("every rank of a TP group has the same y", f));
+        let mut f = Vec::new();
+        if let Some((dp0, y0)) = group_y.iter().next() {
+            for (dp, y) in group_y.iter().skip(1) {
+                if y != y0 {
+                    f.push(format!("replica dp{dp} has y {y} but replica dp{dp0} has y {y0}"));
+                }
+            }
+        }
+        rules.push(rule("every DP replica has the same y", f));
+    }
+
+    if let Some(golden) = golden {
+        let mut f = Vec::new();
+        for r in &live {
+            let Some(want) = golden.get(&r.tp) else { continue };
+            for (name, d) in want {
+                match r.kernel_tensors.get(name) {
+                    Some(got) if got == d => {}
+                    Some(got) => f.push(format!("{}: tensor {name} has {got}, the golden recomputation gives {d}", label(r))),
+                    None => f.push(format!("{}: tensor {name} missing", label(r))),
+                }
+            }
+        }
+        rules.push(rule("kernel digests equal the coordinator's golden recomputation", f));
+    }
+
+    // Row verdicts: a rank fails when it failed, its round trip or probe failed, or a rule names it.
+    for r in &mut ranks {
+        let named = rules.iter().any(|rule| rule.findings.iter().any(|f| f.contains(&label(r))));
+        let bad = r.failure.is_some() || !r.round_trip_ok || r.probe.as_ref().is_some_and(|p| !p.ok) || named;
+        r.verdict = if bad { "FAIL".into() } else { "ok".into() };
+    }
+    let ok = rules.iter().all(|r| r.ok) && ranks.iter().all(|r| r.verdict == "ok");
+    ConsistencyReport { ok, tp_size, dp_size, source, ranks, rules, timings }
+}
+
+impl ConsistencyReport {
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "consistency report: TP {} x DP {}, {}", self.tp_size, self.dp_size, self.source);
+        let _ = writeln!(
+            s,
+            "{:<3} {:<3} {:<12} {:<6} {:<11} {:<16} {:<16} {:<10} {:<22} {:>7}  verdict",
+            "dp", "tp", "host", "device", "format", "ckpt version", "rank digest", "round trip", "probe z err / q diff", "load s"
+        );
+        for r in &self.ranks {
+            let probe = match &r.probe {
+                Some(p) => format!("{:.1e} / {}", p.z_max_abs_err, p.q_mismatches),
+                None => "-".into(),
+            };
+            let _ = writeln!(
+                s,
+                "{:<3} {:<3} {:<12} {:<6} {:<11} {:<16} {:<16} {:<10} {:<22} {:>7.2}  {}{}",
+                r.dp,
+                r.tp,
+                truncate(&r.host, 12),
+                r.device,
+                r.load_format,
+                r.checkpoint_version,
+                r.kernel_rank_digest,
+                if r.failure.is_some() {
+                    "-"
+                } else if r.round_trip_ok {
+                    "ok"
+                } else {
+                    "FAILED"
+                },
+                probe,
+                r.load_seconds,
+                r.verdict,
+                r.failure.as_ref().map(|f| format!(" ({f})")).unwrap_or_default()
+            );
+        }
+        for rule in &self.rules {
+            let _ = writeln!(s, "[{}] {}", if rule.ok { " ok " } else { "FAIL" }, rule.rule);
+            for f in &rule.findings {
+                let _ = writeln!(s, "       {f}");
+            }
+        }
+        if !self.timings.is_empty() {
+            let parts: Vec<String> = self.timings.iter().map(|(k, v)| format!("{k} {v:.2} s")).collect();
+            let _ = writeln!(s, "timings: {}", parts.join(", "));
+        }
+        let _ = writeln!(
+            s,
+            "{}",
+            if self.ok { "CONSISTENT: every rank holds what its kernels expect" } else { "INCONSISTENT: see the failed rules above" }
+        );
+        s
+    }
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    s.chars().take(n).collect()
+}

@@ -1,0 +1,411 @@
+//! `orchestrator-worker serve`: the worker as a gRPC server. It registers with the
+//! coordinator, heartbeats, and serves the `Worker` service (assign, load with streamed
+//! progress, report, probe with the TP all-reduce, reload, shutdown), plus grpc.health.v1 and
+//! server reflection. Heavy work runs on blocking threads; the state sits behind a mutex.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use orchestrator_kernels::{CpuBackend, Digest, ScaleRule};
+use orchestrator_model::{Generator, ModelConfig};
+use orchestrator_proto::v1::coordinator_client::CoordinatorClient;
+use orchestrator_proto::v1::worker_server::{Worker, WorkerServer};
+use orchestrator_proto::v1::{self as pb, load_source::Kind};
+use tokio::sync::{Notify, mpsc};
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::collective::{Collective, LocalCollective, RingListener, TcpRing};
+use crate::faults::{Fault, inject};
+use crate::loader::{RankLoader, RankWeights};
+use crate::probe::{ProbeSpec, probe_rank};
+use crate::roundtrip::check_rank;
+use crate::source::LoadSource;
+
+/// Deadline of every call the worker makes to the coordinator.
+pub const RPC_DEADLINE: Duration = Duration::from_secs(5);
+
+/// What the coordinator assigned.
+struct Plan {
+    tp_size: usize,
+    tp_rank: usize,
+    dp_size: usize,
+    dp_rank: usize,
+    source: Arc<LoadSource>,
+    rule: ScaleRule,
+    fault: pb::Fault,
+}
+
+#[derive(Default)]
+struct State {
+    plan: Option<Plan>,
+    weights: Option<RankWeights<CpuBackend>>,
+    listener: Option<RingListener>,
+    ring: Option<(u64, TcpRing)>,
+    load_seconds: f64,
+}
+
+/// The worker service.
+#[derive(Clone)]
+pub struct WorkerService {
+    state: Arc<Mutex<State>>,
+    shutdown: Arc<Notify>,
+    host: String,
+}
+
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "localhost".into())
+}
+
+/// Builds the load source a request names.
+pub fn source_from(pb_source: Option<&pb::LoadSource>) -> Result<LoadSource, Status> {
+    match pb_source.and_then(|s| s.kind.as_ref()) {
+        Some(Kind::CheckpointDir(dir)) => {
+            LoadSource::open_checkpoint(std::path::Path::new(dir)).map_err(|e| Status::invalid_argument(format!("source: {e}")))
+        }
+        Some(Kind::Dummy(d)) => {
+            let preset = d.preset.parse().map_err(|e| Status::invalid_argument(format!("source.dummy.preset: {e}")))?;
+            let layers = (d.layers > 0).then_some(d.layers as usize);
+            let config =
+                ModelConfig::from_preset(preset, layers, d.bf16).map_err(|e| Status::invalid_argument(format!("source.dummy: {e}")))?;
+            Ok(LoadSource::Dummy { config, generator: Generator::new(d.seed) })
+        }
+        None => Err(Status::invalid_argument("source: missing (checkpoint_dir or dummy)")),
+    }
+}
+
+type ProgressStream = Pin<Box<dyn Stream<Item = Result<pb::LoadProgress, Status>> + Send>>;
+
+impl WorkerService {
+    pub fn new(shutdown: Arc<Notify>) -> Self {
+        Self { state: Arc::new(Mutex::new(State::default())), shutdown, host: host_name() }
+    }
+
+    /// Runs a load or reload on a blocking thread, streaming per-layer progress.
+    fn load_stream(&self, reload_from: Option<LoadSource>) -> Result<ProgressStream, Status> {
+        let (source, tp, rank, rule, fault, total) = {
+            let st = lock(&self.state);
+            let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned yet (call Assign first)"))?;
+            if reload_from.is_some() && st.weights.is_none() {
+                return Err(Status::failed_precondition("nothing loaded to reload into"));
+            }
+            (plan.source.clone(), plan.tp_size, plan.tp_rank, plan.rule, plan.fault, plan.source.config().geometry.layers)
+        };
+        let source = match reload_from {
+            Some(s) => Arc::new(s),
+            None => source,
+        };
+        let (tx, rx) = mpsc::channel(total + 2);
+        let state = self.state.clone();
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let done = std::sync::atomic::AtomicUsize::new(0);
+            let progress = |_layer: usize| {
+                let n = done.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                if fault == pb::Fault::CrashDuringLoad {
+                    eprintln!("worker rank {rank}: injected fault crash-during-load: exiting mid-load");
+                    std::process::exit(101);
+                }
+                let _ = tx.blocking_send(Ok(pb::LoadProgress {
+                    layers_done: n as u32,
+                    layers_total: total as u32,
+                    finished: false,
+                    load_seconds: 0.0,
+                }));
+            };
+            let backend = CpuBackend;
+            let result = (|| -> Result<RankWeights<CpuBackend>, Status> {
+                let loader =
+                    RankLoader::new(&backend, source.config(), tp, rank, rule).map_err(|e| Status::invalid_argument(e.to_string()))?;
+                let previous = lock(&state).weights.take();
+                let mut w = match previous {
+                    Some(old) => loader.reload_with_progress(old, &source, &progress),
+                    None => loader.load_with_progress(&source, &progress),
+                }
+                .map_err(|e| Status::internal(format!("load: {e:#}")))?;
+                let injected = match fault {
+                    pb::Fault::SkipPermute => Some(Fault::SkipQPermutation),
+                    pb::Fault::DoublePermute => Some(Fault::DoubleQPermutation),
+                    pb::Fault::StaleReload => Some(Fault::StaleReload),
+                    _ => None,
+                };
+                if let Some(f) = injected {
+                    inject(&mut w, f).map_err(|e| Status::internal(format!("fault injection: {e}")))?;
+                    w.refresh_kernel_digests(&backend).map_err(|e| Status::internal(e.to_string()))?;
+                }
+                Ok(w)
+            })();
+            let seconds = started.elapsed().as_secs_f64();
+            match result {
+                Ok(w) => {
+                    let mut st = lock(&state);
+                    st.weights = Some(w);
+                    st.load_seconds = seconds;
+                    if let Some(p) = st.plan.as_mut() {
+                        p.source = source;
+                    }
+                    drop(st);
+                    let _ = tx.blocking_send(Ok(pb::LoadProgress {
+                        layers_done: total as u32,
+                        layers_total: total as u32,
+                        finished: true,
+                        load_seconds: seconds,
+                    }));
+                }
+                Err(status) => {
+                    let _ = tx.blocking_send(Err(status));
+                }
+            }
+        });
+        Ok(Box::pin(ReceiverStream::new(rx)))
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    async fn assign(&self, request: Request<pb::AssignRequest>) -> Result<Response<pb::AssignResponse>, Status> {
+        let r = request.into_inner();
+        let source = tokio::task::spawn_blocking({
+            let s = r.source.clone();
+            move || source_from(s.as_ref())
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
+        let rule: ScaleRule = r.scale_rule.parse().map_err(Status::invalid_argument)?;
+        let (tp, rank) = (r.tp_size as usize, r.tp_rank as usize);
+        orchestrator_model::RankShard::new(&source.config().geometry, tp, rank).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let listener =
+            RingListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).map_err(|e| Status::internal(format!("collective listener: {e}")))?;
+        let address = listener.local_addr().to_string();
+        let mut st = lock(&self.state);
+        *st = State {
+            plan: Some(Plan {
+                tp_size: tp,
+                tp_rank: rank,
+                dp_size: r.dp_size as usize,
+                dp_rank: r.dp_rank as usize,
+                source: Arc::new(source),
+                rule,
+                fault: r.fault(),
+            }),
+            listener: Some(listener),
+            ..State::default()
+        };
+        Ok(Response::new(pb::AssignResponse { collective_address: address }))
+    }
+
+    type LoadStream = ProgressStream;
+
+    async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<Self::LoadStream>, Status> {
+        self.load_stream(None).map(Response::new)
+    }
+
+    type ReloadStream = ProgressStream;
+
+    async fn reload(&self, request: Request<pb::ReloadRequest>) -> Result<Response<Self::ReloadStream>, Status> {
+        let r = request.into_inner();
+        let source = match r.source {
+            Some(s) => {
+                Some(tokio::task::spawn_blocking(move || source_from(Some(&s))).await.map_err(|e| Status::internal(e.to_string()))??)
+            }
+            None => {
+                let st = lock(&self.state);
+                let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+                Some(match plan.source.as_ref() {
+                    LoadSource::Safetensors(c) => LoadSource::open_checkpoint(c.dir()).map_err(|e| Status::internal(e.to_string()))?,
+                    LoadSource::Dummy { config, generator } => LoadSource::Dummy { config: config.clone(), generator: *generator },
+                })
+            }
+        };
+        self.load_stream(source).map(Response::new)
+    }
+
+    async fn report(&self, _request: Request<pb::ReportRequest>) -> Result<Response<pb::RankReport>, Status> {
+        let state = self.state.clone();
+        let host = self.host.clone();
+        tokio::task::spawn_blocking(move || {
+            let st = lock(&state);
+            let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+            let w = st.weights.as_ref().ok_or_else(|| Status::failed_precondition("not loaded"))?;
+            let rt = check_rank(&CpuBackend, w, &plan.source);
+            let id = &w.identity;
+            let canonical = id.canonical_text();
+            let geometry_text: String = canonical.lines().filter(|l| !l.starts_with("rank=")).map(|l| format!("{l}\n")).collect();
+            Ok(Response::new(pb::RankReport {
+                tp_size: plan.tp_size as u32,
+                tp_rank: plan.tp_rank as u32,
+                dp_size: plan.dp_size as u32,
+                dp_rank: plan.dp_rank as u32,
+                host,
+                device: "cpu".into(),
+                pid: std::process::id(),
+                load_format: w.load_format.to_string(),
+                source: w.source.clone(),
+                checkpoint_version: plan.source.version(),
+                identity: Some(pb::LayoutIdentity {
+                    layout_version: id.layout_version,
+                    digest: id.digest.clone(),
+                    canonical_text: canonical,
+                    tp_size: id.tp_size as u32,
+                    rank: id.rank as u32,
+                    weight_format: id.weight_format.clone(),
+                    scale_rule: id.scale_rule.clone(),
+                    geometry_digest: Digest::of(geometry_text.as_bytes()).hex(),
+                }),
+                kernel_rank_digest: w.kernel_rank_digest().hex(),
+                source_rank_digest: w.source_rank_digest().hex(),
+                kernel_tensors: w
+                    .kernel_digests()
+                    .into_iter()
+                    .map(|d| pb::TensorDigest {
+                        name: d.name.clone(),
+                        dtype: d.dtype.clone(),
+                        shape: d.shape.iter().map(|&x| x as u64).collect(),
+                        bytes: d.bytes as u64,
+                        digest: d.digest.hex(),
+                    })
+                    .collect(),
+                round_trip_ok: rt.ok,
+                round_trip_failures: rt.failures,
+                load_seconds: st.load_seconds,
+                generation: w.generation,
+            }))
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+    }
+
+    async fn probe(&self, request: Request<pb::ProbeRequest>) -> Result<Response<pb::ProbeResult>, Status> {
+        let r = request.into_inner();
+        let state = self.state.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut st = lock(&state);
+            let st = &mut *st;
+            let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+            let w = st.weights.as_ref().ok_or_else(|| Status::failed_precondition("not loaded"))?;
+            let spec = ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
+            if spec.tokens == 0 || spec.latents == 0 {
+                return Err(Status::invalid_argument("probe: tokens and latents must be at least 1"));
+            }
+            let backend = CpuBackend;
+            let loader = RankLoader::new(&backend, plan.source.config(), plan.tp_size, plan.tp_rank, plan.rule)
+                .map_err(|e| Status::internal(e.to_string()))?;
+            let p = probe_rank(&loader, w, &plan.source, spec, plan.rule).map_err(|e| Status::internal(format!("probe: {e}")))?;
+            // The TP all-reduce of y_partial, in rank order.
+            let started = Instant::now();
+            let mut y = p.y_partial.clone();
+            if plan.tp_size > 1 {
+                let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms as u64 });
+                if st.ring.as_ref().is_none_or(|(g, _)| *g != r.group) {
+                    let peers: Vec<SocketAddr> = r
+                        .peers
+                        .iter()
+                        .map(|a| a.parse().map_err(|e| Status::invalid_argument(format!("peer address `{a}`: {e}"))))
+                        .collect::<Result<_, _>>()?;
+                    let listener = st
+                        .listener
+                        .take()
+                        .ok_or_else(|| Status::failed_precondition("collective listener already used for another group"))?;
+                    let ring = listener
+                        .connect(r.group, plan.tp_rank, &peers, timeout)
+                        .map_err(|e| Status::unavailable(format!("collective: {e}")))?;
+                    st.ring = Some((r.group, ring));
+                }
+                let (_, ring) = st.ring.as_mut().expect("ring set above");
+                ring.all_reduce_sum(&mut y).map_err(|e| Status::unavailable(format!("all-reduce: {e}")))?;
+            } else {
+                LocalCollective.all_reduce_sum(&mut y).map_err(|e| Status::internal(e.to_string()))?;
+            }
+            Ok(Response::new(pb::ProbeResult {
+                ok: p.ok,
+                q_mismatches: p.layers.iter().map(|l| l.q_mismatches as u64).sum(),
+                z_max_abs_err: p.z_max_abs_err,
+                z_max_rel_err: p.z_max_rel_err,
+                y_max_abs_err: p.y_max_abs_err,
+                y_max_rel_err: p.y_max_rel_err,
+                y_partial_digest: p.y_partial_digest.hex(),
+                y_digest: Digest::of_f32(&y).hex(),
+                kernel_seconds: p.kernel_s,
+                reference_seconds: p.reference_s,
+                allreduce_seconds: started.elapsed().as_secs_f64(),
+                layers: p.layers.len() as u32,
+            }))
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+    }
+
+    async fn shutdown(&self, _request: Request<pb::ShutdownRequest>) -> Result<Response<pb::ShutdownResponse>, Status> {
+        self.shutdown.notify_one();
+        Ok(Response::new(pb::ShutdownResponse {}))
+    }
+}
+
+/// Serves the worker until shut down (by RPC, by the coordinator going away, or by a signal).
+pub async fn serve(listen: SocketAddr, coordinator: Option<String>, worker_id: u32) -> anyhow::Result<()> {
+    let shutdown = Arc::new(Notify::new());
+    let service = WorkerService::new(shutdown.clone());
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    let address = listener.local_addr()?;
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<WorkerServer<WorkerService>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(orchestrator_proto::v1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    tracing::info!(%address, worker_id, "worker serving");
+
+    if let Some(coord) = coordinator.clone() {
+        let mut client = CoordinatorClient::connect(coord.clone()).await?;
+        let mut req = Request::new(pb::RegisterRequest {
+            worker_id,
+            address: format!("http://{address}"),
+            host: host_name(),
+            device: "cpu".into(),
+            pid: std::process::id(),
+        });
+        req.set_timeout(RPC_DEADLINE);
+        client.register(req).await?;
+        // Heartbeats; a coordinator that stops answering ends this worker.
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let mut misses = 0;
+            loop {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let mut req = Request::new(pb::HeartbeatRequest { worker_id });
+                req.set_timeout(Duration::from_secs(2));
+                match client.heartbeat(req).await {
+                    Ok(_) => misses = 0,
+                    Err(_) => misses += 1,
+                }
+                if misses >= 6 {
+                    tracing::warn!("coordinator unreachable: stopping");
+                    stop.notify_one();
+                    return;
+                }
+            }
+        });
+    }
+
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tonic::transport::Server::builder()
+        .timeout(Duration::from_secs(600))
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(WorkerServer::new(service).max_decoding_message_size(16 << 20))
+        .serve_with_incoming_shutdown(incoming, async move {
+            tokio::select! {
+                _ = shutdown.notified() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        })
+        .await?;
+    Ok(())
+}
