@@ -309,14 +309,9 @@ impl Cluster {
         result
     }
 
-    /// Runs the probe on every rank; each TP group all-reduces over its ring.
-    pub async fn probe(
-        &self,
-        tokens: u32,
-        latents: u32,
-        seed: u64,
-        round: u64,
-    ) -> Result<BTreeMap<u32, Result<pb::ProbeResult, String>>, Failures> {
+    /// Runs the probe on every rank; each TP group all-reduces over its ring (set up on the
+    /// first probe, reused after).
+    pub async fn probe(&self, tokens: u32, latents: u32, seed: u64) -> Result<BTreeMap<u32, Result<pb::ProbeResult, String>>, Failures> {
         let peers: BTreeMap<u32, Vec<String>> =
             (0..self.dp).map(|dp| (dp, self.workers.iter().filter(|w| w.dp == dp).map(|w| w.collective.clone()).collect())).collect();
         self.fan_out(|w, mut client| {
@@ -324,7 +319,7 @@ impl Cluster {
                 tokens,
                 latents,
                 seed,
-                group: (round << 16) | u64::from(w.dp),
+                group: u64::from(w.dp),
                 peers: peers[&w.dp].clone(),
                 timeout_ms: 15_000,
             });

@@ -80,7 +80,6 @@ pub struct Session {
     pub probe: Option<ProbeSpec>,
     pub golden: Option<BTreeMap<u32, BTreeMap<String, String>>>,
     pub load_seconds: BTreeMap<u32, f64>,
-    pub round: u64,
     pub timings: BTreeMap<String, f64>,
 }
 
@@ -92,8 +91,7 @@ impl Session {
         let mut probes = BTreeMap::new();
         let t = Instant::now();
         if let (Some(spec), true) = (self.probe, probe) {
-            self.round += 1;
-            match self.cluster.probe(spec.tokens as u32, spec.latents as u32, spec.seed, self.round).await {
+            match self.cluster.probe(spec.tokens as u32, spec.latents as u32, spec.seed).await {
                 Ok(results) => {
                     for (id, r) in results {
                         match r {
@@ -266,8 +264,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         None => None,
     };
 
-    let mut session =
-        Session { cluster, source_desc: plan.source_desc.clone(), probe: plan.probe, golden, load_seconds, round: 0, timings };
+    let mut session = Session { cluster, source_desc: plan.source_desc.clone(), probe: plan.probe, golden, load_seconds, timings };
     let report = session.check(true).await;
     session.timings.insert("total".into(), start.elapsed().as_secs_f64());
     let mut report = report;
