@@ -87,22 +87,25 @@ pub struct Cluster {
 /// A failure named by rank.
 pub type Failures = Vec<(u32, String)>;
 
-fn worker_binary() -> anyhow::Result<PathBuf> {
+/// The worker command: the `orchestrator-worker` binary next to this executable (as TGI's
+/// launcher finds its shards), or, when it is not there (`cargo run --bin orchestrator` builds
+/// only this binary), this executable's own built-in worker.
+fn worker_command() -> anyhow::Result<(PathBuf, Vec<String>)> {
     let exe = std::env::current_exe()?;
     let dir = exe.parent().ok_or_else(|| anyhow::anyhow!("{} has no parent directory", exe.display()))?;
     let path = dir.join(format!("orchestrator-worker{}", std::env::consts::EXE_SUFFIX));
-    anyhow::ensure!(path.exists(), "the worker binary {} is missing (build the workspace: `cargo build --workspace`)", path.display());
-    Ok(path)
+    if path.exists() { Ok((path, vec!["serve".into()])) } else { Ok((exe, vec!["worker-serve".into()])) }
 }
 
 impl Cluster {
     /// Starts `tp * dp` worker processes that register with `coordinator`.
     pub fn spawn(tp: u32, dp: u32, coordinator: &str, registry: Arc<Registry>) -> anyhow::Result<Self> {
-        let bin = worker_binary()?;
+        let (bin, leading) = worker_command()?;
         let mut workers = Vec::new();
         for id in 0..tp * dp {
             let child = Command::new(&bin)
-                .args(["serve", "--coordinator", coordinator, "--worker-id", &id.to_string()])
+                .args(&leading)
+                .args(["--coordinator", coordinator, "--worker-id", &id.to_string()])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit())

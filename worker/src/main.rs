@@ -201,11 +201,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Load(args) => load(args),
-        Command::Serve(args) => (|| {
-            let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-            runtime.block_on(orchestrator_worker::server::serve(args.listen, args.coordinator, args.worker_id))?;
-            Ok(true)
-        })(),
+        Command::Serve(args) => orchestrator_worker::server::run(args.listen, args.coordinator, args.worker_id).map(|()| true),
         Command::BenchGemm(args) => (|| {
             let report = bench::run_gemm(&args.tokens)?;
             if args.json {

@@ -409,3 +409,9 @@ pub async fn serve(listen: SocketAddr, coordinator: Option<String>, worker_id: u
         .await?;
     Ok(())
 }
+
+/// [`serve`] on its own runtime (the entry point of a worker process).
+pub fn run(listen: SocketAddr, coordinator: Option<String>, worker_id: u32) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    runtime.block_on(serve(listen, coordinator, worker_id))
+}
