@@ -176,10 +176,14 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     let address = listener.local_addr()?;
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<CoordinatorServer<CoordinatorService>>().await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(orchestrator_proto::v1::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+    // Reflection v1 and v1alpha (grpcurl speaks the first, Python's grpcio-reflection the second).
+    let reflection_builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(orchestrator_proto::v1::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection = reflection_builder().build_v1()?;
+    let reflection_alpha = reflection_builder().build_v1alpha()?;
     let server_stop = Arc::new(Notify::new());
     let server = {
         let stop = server_stop.clone();
@@ -188,6 +192,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
                 .timeout(Duration::from_secs(600))
                 .add_service(health_service)
                 .add_service(reflection)
+                .add_service(reflection_alpha)
                 .add_service(CoordinatorServer::new(service).max_decoding_message_size(16 << 20))
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::TcpListenerStream::new(listener),
