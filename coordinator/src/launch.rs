@@ -174,30 +174,15 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
 
     let listener = tokio::net::TcpListener::bind(plan.listen).await?;
     let address = listener.local_addr()?;
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<CoordinatorServer<CoordinatorService>>().await;
-    // Reflection v1 and v1alpha (grpcurl speaks the first, Python's grpcio-reflection the second).
-    let reflection_builder = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(orchestrator_proto::v1::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-    };
-    let reflection = reflection_builder().build_v1()?;
-    let reflection_alpha = reflection_builder().build_v1alpha()?;
+    let router = orchestrator_worker::grpc::standard_router::<CoordinatorServer<CoordinatorService>>().await?;
     let server_stop = Arc::new(Notify::new());
     let server = {
         let stop = server_stop.clone();
         tokio::spawn(
-            tonic::transport::Server::builder()
-                .timeout(Duration::from_secs(600))
-                .add_service(health_service)
-                .add_service(reflection)
-                .add_service(reflection_alpha)
-                .add_service(CoordinatorServer::new(service).max_decoding_message_size(16 << 20))
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    async move { stop.notified().await },
-                ),
+            router.add_service(CoordinatorServer::new(service).max_decoding_message_size(16 << 20)).serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                async move { stop.notified().await },
+            ),
         )
     };
     eprintln!("coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);

@@ -77,17 +77,9 @@ struct LaunchArgs {
     /// Hugging Face checkpoint directory (default: a built-in dsv41-flash checkpoint, synthesized once into the cache).
     #[arg(long, conflicts_with = "dummy")]
     checkpoint: Option<PathBuf>,
-    /// Generate the weights in every worker instead of reading a checkpoint.
-    #[arg(long)]
-    dummy: bool,
-    #[arg(long, default_value_t = 0, requires = "dummy")]
-    seed: u64,
-    #[arg(long, default_value = "dsv41-flash", requires = "dummy")]
-    preset: String,
-    #[arg(long, requires = "dummy")]
-    layers: Option<usize>,
-    #[arg(long, value_enum, default_value = "fp8", requires = "dummy")]
-    dtype: Dtype,
+    /// Every worker generates its weights instead of reading a checkpoint.
+    #[command(flatten)]
+    dummy: orchestrator_worker::cli::DummyArgs,
     #[arg(long, default_value = "rceil")]
     scale_rule: orchestrator_kernels::ScaleRule,
     #[arg(long, value_enum, default_value = "cpu")]
@@ -277,20 +269,20 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
         anyhow::bail!("--device cuda: GPU workers are not implemented yet (use --device cpu)");
     }
     // Resolve and validate the plan before starting anything.
-    let (source, local, desc) = if a.dummy {
-        let preset: Preset = a.preset.parse()?;
-        let config = ModelConfig::from_preset(preset, a.layers, matches!(a.dtype, Dtype::Bf16))?;
-        let layers = config.geometry.layers;
+    let (source, local, desc) = if a.dummy.dummy {
+        let d = &a.dummy;
+        let (preset, local) = (d.preset()?, d.source()?);
+        let layers = local.config().geometry.layers;
+        let bf16 = d.dtype == orchestrator_worker::cli::DummyDtype::Bf16;
         let src = pb::LoadSource {
             kind: Some(pb::load_source::Kind::Dummy(pb::DummySource {
                 preset: preset.name().into(),
                 layers: layers as u32,
-                seed: a.seed,
-                bf16: matches!(a.dtype, Dtype::Bf16),
+                seed: d.seed,
+                bf16,
             })),
         };
-        let local = orchestrator_worker::LoadSource::Dummy { config, generator: orchestrator_model::Generator::new(a.seed) };
-        (src, local, format!("dummy {} x {layers} layers, seed {}", preset.name(), a.seed))
+        (src, local, format!("dummy {} x {layers} layers, seed {}", preset.name(), d.seed))
     } else {
         let dir = match &a.checkpoint {
             Some(d) => d.clone(),

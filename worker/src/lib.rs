@@ -2,10 +2,12 @@
 //! the permuting pipeline, on a compute backend, and reports what its kernels will read.
 
 pub mod bench;
+pub mod cli;
 pub mod collective;
 pub mod dump;
 pub mod faults;
 pub mod golden;
+pub mod grpc;
 pub mod identity;
 pub mod loader;
 pub mod output;

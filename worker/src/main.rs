@@ -6,8 +6,8 @@ use std::process::ExitCode;
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use orchestrator_kernels::{CpuBackend, ScaleRule};
-use orchestrator_model::{Generator, ModelConfig};
 use orchestrator_worker::bench::{self, BenchOptions};
+use orchestrator_worker::cli::DummyArgs;
 use orchestrator_worker::output::emit;
 use orchestrator_worker::{LoadSource, RankReport, load_and_report};
 
@@ -38,32 +38,13 @@ enum Device {
     Cuda,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum DummyDtype {
-    Fp8,
-    Bf16,
-}
-
 #[derive(Args)]
 struct LoadArgs {
     /// Hugging Face checkpoint directory (config.json, index, shards).
     #[arg(long, conflicts_with = "dummy", required_unless_present = "dummy")]
     checkpoint: Option<PathBuf>,
-    /// Generate the weights instead (byte-identical to `orchestrator checkpoint synth` with the same seed).
-    #[arg(long)]
-    dummy: bool,
-    /// Generator seed for --dummy.
-    #[arg(long, default_value_t = 0, requires = "dummy")]
-    seed: u64,
-    /// Geometry for --dummy.
-    #[arg(long, default_value = "dsv41-flash", requires = "dummy")]
-    preset: String,
-    /// Layers for --dummy (default: the preset's).
-    #[arg(long, requires = "dummy")]
-    layers: Option<usize>,
-    /// Storage format for --dummy.
-    #[arg(long, value_enum, default_value = "fp8", requires = "dummy")]
-    dtype: DummyDtype,
+    #[command(flatten)]
+    dummy: DummyArgs,
     /// Tensor-parallel size.
     #[arg(long)]
     tp: usize,
@@ -139,8 +120,7 @@ fn source_of(args: &LoadArgs) -> anyhow::Result<LoadSource> {
     if let Some(dir) = &args.checkpoint {
         return LoadSource::open_checkpoint(dir).with_context(|| format!("opening checkpoint {}", dir.display()));
     }
-    let config = ModelConfig::from_preset(args.preset.parse()?, args.layers, matches!(args.dtype, DummyDtype::Bf16))?;
-    Ok(LoadSource::Dummy { config, generator: Generator::new(args.seed) })
+    Ok(args.dummy.source()?)
 }
 
 fn check_device(device: Device) -> anyhow::Result<()> {

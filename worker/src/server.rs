@@ -354,16 +354,7 @@ pub async fn serve(listen: SocketAddr, coordinator: Option<String>, worker_id: u
     let service = WorkerService::new(shutdown.clone());
     let listener = tokio::net::TcpListener::bind(listen).await?;
     let address = listener.local_addr()?;
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<WorkerServer<WorkerService>>().await;
-    // Reflection v1 and v1alpha (grpcurl speaks the first, Python's grpcio-reflection the second).
-    let reflection_builder = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(orchestrator_proto::v1::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-    };
-    let reflection = reflection_builder().build_v1()?;
-    let reflection_alpha = reflection_builder().build_v1alpha()?;
+    let router = crate::grpc::standard_router::<WorkerServer<WorkerService>>().await?;
     tracing::info!(%address, worker_id, "worker serving");
 
     if let Some(coord) = coordinator.clone() {
@@ -399,11 +390,7 @@ pub async fn serve(listen: SocketAddr, coordinator: Option<String>, worker_id: u
     }
 
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    tonic::transport::Server::builder()
-        .timeout(Duration::from_secs(600))
-        .add_service(health_service)
-        .add_service(reflection)
-        .add_service(reflection_alpha)
+    router
         .add_service(WorkerServer::new(service).max_decoding_message_size(16 << 20))
         .serve_with_incoming_shutdown(incoming, async move {
             tokio::select! {

@@ -1,0 +1,50 @@
+//! Command-line pieces both binaries share.
+
+use clap::{Args, ValueEnum};
+use orchestrator_model::{Generator, ModelConfig, ModelError, Preset};
+
+use crate::source::LoadSource;
+
+/// Storage format of generated weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DummyDtype {
+    Fp8,
+    Bf16,
+}
+
+/// `--dummy [--seed S] [--preset P] [--layers N] [--dtype fp8|bf16]`.
+#[derive(Args, Clone, Debug)]
+pub struct DummyArgs {
+    /// Generate the weights instead of reading a checkpoint (byte-identical to
+    /// `orchestrator checkpoint synth` with the same seed).
+    #[arg(long)]
+    pub dummy: bool,
+    /// Generator seed for --dummy.
+    #[arg(long, default_value_t = 0, requires = "dummy")]
+    pub seed: u64,
+    /// Geometry for --dummy.
+    #[arg(long, default_value = "dsv41-flash", requires = "dummy")]
+    pub preset: String,
+    /// Layers for --dummy (default: the preset's).
+    #[arg(long, requires = "dummy")]
+    pub layers: Option<usize>,
+    /// Storage format for --dummy.
+    #[arg(long, value_enum, default_value = "fp8", requires = "dummy")]
+    pub dtype: DummyDtype,
+}
+
+impl DummyArgs {
+    pub fn preset(&self) -> Result<Preset, ModelError> {
+        self.preset.parse()
+    }
+
+    /// The validated configuration these options describe.
+    pub fn config(&self) -> Result<ModelConfig, ModelError> {
+        ModelConfig::from_preset(self.preset()?, self.layers, self.dtype == DummyDtype::Bf16)
+    }
+
+    /// The dummy load source.
+    pub fn source(&self) -> Result<LoadSource, ModelError> {
+        Ok(LoadSource::Dummy { config: self.config()?, generator: Generator::new(self.seed) })
+    }
+}

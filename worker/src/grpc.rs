@@ -1,0 +1,28 @@
+//! What every orchestrator gRPC server serves besides its own service: grpc.health.v1 (with
+//! the service marked serving) and server reflection, v1 and v1alpha (grpcurl speaks the
+//! first, Python's grpcio-reflection the second), under a server-wide request timeout.
+
+use std::time::Duration;
+
+use tonic::server::NamedService;
+use tonic::transport::server::Router;
+use tonic_health::ServingStatus;
+
+/// Longest any request may run on the server side.
+pub const SERVER_REQUEST_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// A router with health checking and reflection; the caller adds its service `S`.
+pub async fn standard_router<S: NamedService>() -> anyhow::Result<Router> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_service_status(S::NAME, ServingStatus::Serving).await;
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(orchestrator_proto::v1::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    Ok(tonic::transport::Server::builder()
+        .timeout(SERVER_REQUEST_TIMEOUT)
+        .add_service(health_service)
+        .add_service(reflection().build_v1()?)
+        .add_service(reflection().build_v1alpha()?))
+}
