@@ -227,7 +227,14 @@ impl Cluster {
     }
 
     /// Assigns `(dp, tp)` shards; records each rank's collective address.
-    pub async fn assign(&mut self, source: &pb::LoadSource, scale_rule: &str, fault: Option<(u32, pb::Fault)>) -> Result<(), Failures> {
+    pub async fn assign(
+        &mut self,
+        source: &pb::LoadSource,
+        scale_rule: &str,
+        fault: Option<(u32, pb::Fault)>,
+        dump_dir: Option<&std::path::Path>,
+    ) -> Result<(), Failures> {
+        let dump_dir = dump_dir.map(|d| d.display().to_string()).unwrap_or_default();
         let (tp, dp) = (self.tp, self.dp);
         let results = self
             .fan_out(|w, mut client| {
@@ -239,6 +246,7 @@ impl Cluster {
                     source: Some(source.clone()),
                     scale_rule: scale_rule.to_string(),
                     fault: fault.filter(|(rank, _)| *rank == w.id).map(|(_, f)| f as i32).unwrap_or(0),
+                    dump_dir: dump_dir.clone(),
                 });
                 req.set_timeout(ASSIGN_DEADLINE);
                 let label = w.label();

@@ -38,6 +38,8 @@ pub struct LaunchPlan {
     pub fault: Option<(u32, pb::Fault)>,
     pub verify_golden: bool,
     pub listen: SocketAddr,
+    /// Workers dump their kernel tensors under DIR/dp{D}/rank{R}.safetensors.
+    pub dump_dir: Option<PathBuf>,
 }
 
 /// Where the default checkpoint lives: `$ORCHESTRATOR_CACHE`, else `$XDG_CACHE_HOME/orchestrator`,
@@ -190,7 +192,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     let mut cluster = Cluster::spawn(plan.tp, plan.dp, &format!("http://{address}"), registry)?;
     let up = async {
         cluster.connect_all(Duration::from_secs(30)).await?;
-        cluster.assign(&plan.source, plan.scale_rule.name(), plan.fault).await
+        cluster.assign(&plan.source, plan.scale_rule.name(), plan.fault, plan.dump_dir.as_deref()).await
     };
     if let Err(f) = up.await {
         timings.insert("startup".into(), start.elapsed().as_secs_f64());

@@ -97,6 +97,9 @@ struct LaunchArgs {
     /// double-permute, stale-reload, crash-during-load.
     #[arg(long, value_name = "RANK:KIND")]
     inject_fault: Option<String>,
+    /// Every worker writes its kernel-visible tensors to DIR/dp{D}/rank{R}.safetensors.
+    #[arg(long, value_name = "DIR")]
+    dump: Option<PathBuf>,
     /// Print the report as one JSON document.
     #[arg(long)]
     json: bool,
@@ -307,6 +310,13 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
         fault,
         verify_golden: a.verify == Some(Verify::Golden),
         listen: a.listen,
+        dump_dir: match &a.dump {
+            Some(d) => {
+                std::fs::create_dir_all(d).with_context(|| format!("--dump {}", d.display()))?;
+                Some(d.canonicalize()?)
+            }
+            None => None,
+        },
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let json = a.json;

@@ -73,12 +73,33 @@ fn dummy_and_real_loads_of_the_same_seed_agree_across_processes() {
     let o =
         run("orchestrator", &["checkpoint", "synth", "--out", dir.to_str().unwrap(), "--preset", "tiny", "--layers", "2", "--seed", "4"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let (c1, real, e1) = launch_json(&["--tp", "4", "--checkpoint", dir.to_str().unwrap(), "--verify", "golden", "--probe", "2,8,1"]);
+    let dump = tmp.path().join("dump");
+    let (c1, real, e1) = launch_json(&[
+        "--tp",
+        "4",
+        "--checkpoint",
+        dir.to_str().unwrap(),
+        "--verify",
+        "golden",
+        "--probe",
+        "2,8,1",
+        "--dump",
+        dump.to_str().unwrap(),
+    ]);
     let (c2, dummy, e2) = launch_json(&["--tp", "4", "--dummy", "--preset", "tiny", "--layers", "2", "--seed", "4", "--probe", "2,8,1"]);
     assert_eq!((c1, c2), (Some(0), Some(0)), "{e1}\n{e2}");
     assert_eq!(rank_digests(&real), rank_digests(&dummy));
     assert_eq!(real["ranks"][0]["probe"]["y_digest"], dummy["ranks"][0]["probe"]["y_digest"]);
     assert_eq!(rule(&real, "kernel digests equal the coordinator's golden")["ok"], true);
+    // Each worker's dump holds exactly the bytes its report describes.
+    for r in real["ranks"].as_array().unwrap() {
+        let path = dump.join(format!("dp{}/rank{}.safetensors", r["dp"], r["tp"]));
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, digest) in r["kernel_tensors"].as_object().unwrap() {
+            assert_eq!(&orchestrator_kernels::Digest::of(st.tensor(name).unwrap().data()).hex(), digest.as_str().unwrap(), "{name}");
+        }
+    }
 }
 
 /// Each injected fault fails the launch, and the report names the rank, the tensor and the rule.

@@ -37,6 +37,7 @@ struct Plan {
     source: Arc<LoadSource>,
     rule: ScaleRule,
     fault: pb::Fault,
+    dump_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Default)]
@@ -90,13 +91,21 @@ impl WorkerService {
 
     /// Runs a load or reload on a blocking thread, streaming per-layer progress.
     fn load_stream(&self, reload_from: Option<LoadSource>) -> Result<ProgressStream, Status> {
-        let (source, tp, rank, rule, fault, total) = {
+        let (source, tp, rank, rule, fault, total, dump_dir) = {
             let st = lock(&self.state);
             let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned yet (call Assign first)"))?;
             if reload_from.is_some() && st.weights.is_none() {
                 return Err(Status::failed_precondition("nothing loaded to reload into"));
             }
-            (plan.source.clone(), plan.tp_size, plan.tp_rank, plan.rule, plan.fault, plan.source.config().geometry.layers)
+            (
+                plan.source.clone(),
+                plan.tp_size,
+                plan.tp_rank,
+                plan.rule,
+                plan.fault,
+                plan.source.config().geometry.layers,
+                plan.dump_dir.clone(),
+            )
         };
         let source = match reload_from {
             Some(s) => Arc::new(s),
@@ -139,6 +148,9 @@ impl WorkerService {
                 if let Some(f) = injected {
                     inject(&mut w, f).map_err(|e| Status::internal(format!("fault injection: {e}")))?;
                     w.refresh_kernel_digests(&backend).map_err(|e| Status::internal(e.to_string()))?;
+                }
+                if let Some(dir) = &dump_dir {
+                    crate::dump::dump_rank(&backend, &w, dir).map_err(|e| Status::internal(format!("dump: {e}")))?;
                 }
                 Ok(w)
             })();
@@ -194,6 +206,7 @@ impl Worker for WorkerService {
                 source: Arc::new(source),
                 rule,
                 fault: r.fault(),
+                dump_dir: (!r.dump_dir.is_empty()).then(|| std::path::PathBuf::from(&r.dump_dir).join(format!("dp{}", r.dp_rank))),
             }),
             listener: Some(listener),
             ..State::default()
