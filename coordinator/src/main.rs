@@ -42,17 +42,7 @@ enum Command {
     /// The worker server, built in (the launcher uses it when `orchestrator-worker` is not
     /// installed next to this binary).
     #[command(hide = true)]
-    WorkerServe(WorkerServeArgs),
-}
-
-#[derive(Args)]
-struct WorkerServeArgs {
-    #[arg(long, default_value = "127.0.0.1:0")]
-    listen: std::net::SocketAddr,
-    #[arg(long)]
-    coordinator: Option<String>,
-    #[arg(long, default_value_t = 0)]
-    worker_id: u32,
+    WorkerServe(orchestrator_worker::cli::ServeArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -358,7 +348,7 @@ fn main() -> ExitCode {
         Command::Launch(a) => launch_cmd(a),
         Command::Report(a) => remote_cmd(a, false),
         Command::Shutdown(a) => remote_cmd(a, true),
-        Command::WorkerServe(a) => orchestrator_worker::server::run(a.listen, a.coordinator, a.worker_id).map(|()| true),
+        Command::WorkerServe(a) => a.run().map(|()| true),
         Command::Checkpoint(CheckpointCommand::Synth(a)) => synth(a),
         Command::Checkpoint(CheckpointCommand::Inspect(a)) => inspect_cmd(a),
     };

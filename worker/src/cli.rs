@@ -5,6 +5,27 @@ use orchestrator_model::{Generator, ModelConfig, ModelError, Preset};
 
 use crate::source::LoadSource;
 
+/// `serve`: the Worker gRPC server of one rank.
+#[derive(Args, Clone, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on (loopback by default; port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: std::net::SocketAddr,
+    /// Coordinator to register with (`http://host:port`).
+    #[arg(long)]
+    pub coordinator: Option<String>,
+    /// This worker's id, given by the launcher.
+    #[arg(long, default_value_t = 0)]
+    pub worker_id: u32,
+}
+
+impl ServeArgs {
+    /// Serves until shut down.
+    pub fn run(self) -> anyhow::Result<()> {
+        crate::server::run(self.listen, self.coordinator, self.worker_id)
+    }
+}
+
 /// Storage format of generated weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DummyDtype {

@@ -29,7 +29,7 @@ enum Command {
     /// and the time of one probe.
     BenchGemm(BenchGemmArgs),
     /// Serve the Worker gRPC service (started by `orchestrator launch`, one per rank).
-    Serve(ServeArgs),
+    Serve(orchestrator_worker::cli::ServeArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -92,19 +92,6 @@ struct BenchArgs {
     dir: PathBuf,
     #[arg(long)]
     json: bool,
-}
-
-#[derive(Args)]
-struct ServeArgs {
-    /// Address to listen on (loopback by default; port 0 picks a free one).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    listen: std::net::SocketAddr,
-    /// Coordinator to register with (`http://host:port`).
-    #[arg(long)]
-    coordinator: Option<String>,
-    /// This worker's id, given by the launcher.
-    #[arg(long, default_value_t = 0)]
-    worker_id: u32,
 }
 
 #[derive(Args)]
@@ -181,7 +168,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Load(args) => load(args),
-        Command::Serve(args) => orchestrator_worker::server::run(args.listen, args.coordinator, args.worker_id).map(|()| true),
+        Command::Serve(args) => args.run().map(|()| true),
         Command::BenchGemm(args) => (|| {
             let report = bench::run_gemm(&args.tokens)?;
             if args.json {

@@ -5,7 +5,13 @@
 //! tensor or any of the deliberate layout faults.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use serde_json::Value;
+
+mod common;
+
+use common::fixture_cases;
 
 use orchestrator_kernels::{CpuBackend, Digest, KernelError, ScaleRule};
 use orchestrator_model::synth::{SynthOptions, write_checkpoint};
@@ -14,7 +20,6 @@ use orchestrator_worker::dump::dump_rank;
 use orchestrator_worker::faults::{Fault, inject};
 use orchestrator_worker::golden::{golden_kernel_digests, golden_layer_tensors, golden_mismatches, golden_rank_digest, rank_digest_of};
 use orchestrator_worker::{LoadError, LoadSource, RankLoader, RankWeights};
-use serde_json::Value;
 
 const RULES: [ScaleRule; 2] = [ScaleRule::Rceil, ScaleRule::Floor];
 
@@ -99,36 +104,21 @@ fn golden_dtypes_and_shapes_match_the_fast_pipeline() {
     }
 }
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
-}
-
 /// Every case of a Python-written fixture: the golden digests, dtypes and shapes are the
 /// independent numpy implementation's, and so is the rank digest.
 fn golden_matches_python_fixture(name: &str) {
-    let dir = fixture(name);
-    let expected: Value = serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
-    let source = LoadSource::open_checkpoint(&dir).unwrap();
-    let cases = expected["cases"].as_array().unwrap();
-    assert!(!cases.is_empty());
+    let (source, cases) = fixture_cases(name);
     for case in cases {
-        let tp = case["tp"].as_u64().unwrap() as usize;
-        let rank = case["rank"].as_u64().unwrap() as usize;
-        let rule: ScaleRule = case["scale_rule"].as_str().unwrap().parse().unwrap();
-        let what = format!("{name} tp {tp} rank {rank} {rule}");
-        let kernel = case["kernel"].as_object().unwrap();
-        let want: Vec<(String, Digest)> =
-            kernel.iter().map(|(k, v)| (k.clone(), Digest::from_hex(v["xxh3"].as_str().unwrap()).unwrap())).collect();
-        let mut want = want;
+        let (tp, rank, rule, what) = (case.tp, case.rank, case.rule, &case.what);
+        let mut want: Vec<(String, Digest)> = case.kernel.iter().map(|(k, v)| (k.clone(), Digest::from_hex(&v.2).unwrap())).collect();
         want.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
         let golden = golden_kernel_digests(&source, tp, rank, rule).unwrap();
         assert_eq!(golden, want, "{what}: {:?}", golden_mismatches(&golden, &want));
-        assert_eq!(golden_rank_digest(&source, tp, rank, rule).unwrap().hex(), case["kernel_rank_digest"].as_str().unwrap(), "{what}");
+        assert_eq!(golden_rank_digest(&source, tp, rank, rule).unwrap().hex(), case.kernel_rank_digest, "{what}");
         for layer in 0..source.config().geometry.layers {
             for t in golden_layer_tensors(&source, tp, rank, layer, rule).unwrap() {
-                let e = &kernel[&t.name];
-                let shape: Vec<usize> = e["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
-                assert_eq!((t.dtype, &t.shape), (e["dtype"].as_str().unwrap(), &shape), "{what}: {}", t.name);
+                let (dtype, shape, _) = &case.kernel[&t.name];
+                assert_eq!((t.dtype, &t.shape), (dtype.as_str(), shape), "{what}: {}", t.name);
             }
         }
     }

@@ -3,8 +3,10 @@
 //! spec (`scripts/make_python_fixture.py`), dummy == real loads, reloads into the same buffers,
 //! and the spec's sizes on the real DeepSeek-V4.1-Flash geometry.
 
+mod common;
+
 use std::collections::{BTreeMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use orchestrator_kernels::{CpuBackend, Digest, ScaleRule};
 use orchestrator_model::synth::{SynthOptions, write_checkpoint};
@@ -12,11 +14,8 @@ use orchestrator_model::{Generator, ModelConfig, Preset, WeightFormat};
 use orchestrator_worker::dump::dump_rank;
 use orchestrator_worker::roundtrip::check_rank;
 use orchestrator_worker::{LoadSource, RankLoader, RankWeights};
-use serde_json::Value;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
-}
+use common::fixture_cases;
 
 fn load(source: &LoadSource, tp: usize, rank: usize, rule: ScaleRule) -> RankWeights<CpuBackend> {
     RankLoader::new(&CpuBackend, source.config(), tp, rank, rule).unwrap().load(source).unwrap()
@@ -29,34 +28,15 @@ fn digests_by_name(w: &RankWeights<CpuBackend>) -> BTreeMap<String, (String, Vec
 /// Every case of a Python fixture: kernel tensors (dtype, shape, XXH3 of bytes), rank digests
 /// and source digests agree exactly, and the dump holds exactly those bytes.
 fn check_python_fixture(name: &str) {
-    let dir = fixture(name);
-    let expected: Value = serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
-    let source = LoadSource::open_checkpoint(&dir).unwrap();
-    let cases = expected["cases"].as_array().unwrap();
-    assert!(!cases.is_empty());
+    let (source, cases) = fixture_cases(name);
     for case in cases {
-        let tp = case["tp"].as_u64().unwrap() as usize;
-        let rank = case["rank"].as_u64().unwrap() as usize;
-        let rule: ScaleRule = case["scale_rule"].as_str().unwrap().parse().unwrap();
-        let what = format!("{name} tp {tp} rank {rank} {rule}");
-        let w = load(&source, tp, rank, rule);
-        let got = digests_by_name(&w);
-        let want: BTreeMap<String, (String, Vec<usize>, String)> = case["kernel"]
-            .as_object()
-            .unwrap()
-            .iter()
-            .map(|(k, v)| {
-                let shape = v["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
-                (k.clone(), (v["dtype"].as_str().unwrap().to_string(), shape, v["xxh3"].as_str().unwrap().to_string()))
-            })
-            .collect();
-        assert_eq!(got, want, "{what}: kernel tensors");
-        assert_eq!(w.kernel_rank_digest().hex(), case["kernel_rank_digest"].as_str().unwrap(), "{what}");
+        let (rank, what, want) = (case.rank, &case.what, &case.kernel);
+        let w = load(&source, case.tp, rank, case.rule);
+        assert_eq!(&digests_by_name(&w), want, "{what}: kernel tensors");
+        assert_eq!(w.kernel_rank_digest().hex(), case.kernel_rank_digest, "{what}");
         let src: BTreeMap<String, String> = w.source_digests().into_iter().map(|d| (d.name.clone(), d.digest.hex())).collect();
-        let want_src: BTreeMap<String, String> =
-            case["source"].as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string())).collect();
-        assert_eq!(src, want_src, "{what}: source digests");
-        assert_eq!(w.source_rank_digest().hex(), case["source_rank_digest"].as_str().unwrap(), "{what}");
+        assert_eq!(src, case.source, "{what}: source digests");
+        assert_eq!(w.source_rank_digest().hex(), case.source_rank_digest, "{what}");
         assert!(check_rank(&CpuBackend, &w, &source).ok, "{what}: round trip");
 
         // The dump holds exactly the kernel bytes, dtypes and shapes.
@@ -70,7 +50,7 @@ fn check_python_fixture(name: &str) {
             .into_iter()
             .map(|(n, v)| (n, (format!("{:?}", v.dtype()), v.shape().to_vec(), Digest::of(v.data()).hex())))
             .collect();
-        assert_eq!(dumped, want, "{what}: dump");
+        assert_eq!(&dumped, want, "{what}: dump");
     }
 }
 
