@@ -168,16 +168,27 @@ fn tp_16_on_64_heads_is_refused_before_any_process_starts() {
 
 /// `--serve` keeps the cluster up; `report` re-runs the checks; a worker killed with SIGKILL is
 /// reported by rank within seconds; `shutdown` stops everything.
+/// Kills the served coordinator (and so its workers) if the test fails midway.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[test]
 fn serve_report_kill_and_shutdown() {
-    let mut child = Command::new(bin("orchestrator"))
+    let child = Command::new(bin("orchestrator"))
         .args(["launch", "--tp", "2", "--dummy", "--preset", "tiny", "--layers", "1", "--probe", "2,8", "--serve", "--json"])
-        .stdout(Stdio::piped())
+        .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let mut child = KillOnDrop(child);
     // The coordinator's address is printed on stderr.
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut lines = BufReader::new(child.0.stderr.take().unwrap()).lines();
     let mut coordinator = None;
     for line in lines.by_ref() {
         let line = line.unwrap();
@@ -207,8 +218,7 @@ fn serve_report_kill_and_shutdown() {
     assert!(shut.status.success(), "{}", stderr(&shut));
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            let _ = status;
+        if child.0.try_wait().unwrap().is_some() {
             break;
         }
         assert!(Instant::now() < deadline, "the coordinator did not stop");
