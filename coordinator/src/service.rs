@@ -26,6 +26,14 @@ impl Coordinator for CoordinatorService {
         if r.address.is_empty() {
             return Err(Status::invalid_argument("register: address is empty"));
         }
+        if r.protocol_version != orchestrator_proto::PROTOCOL_VERSION {
+            return Err(Status::failed_precondition(format!(
+                "worker {} speaks protocol version {}, this coordinator {}: rebuild the workspace so both binaries match",
+                r.worker_id,
+                r.protocol_version,
+                orchestrator_proto::PROTOCOL_VERSION
+            )));
+        }
         self.registry.register(
             r.worker_id,
             Registration { address: r.address, host: r.host, device: r.device, pid: r.pid, last_heartbeat: Instant::now() },

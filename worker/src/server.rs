@@ -378,9 +378,10 @@ pub async fn serve(listen: SocketAddr, coordinator: Option<String>, worker_id: u
             host: host_name(),
             device: "cpu".into(),
             pid: std::process::id(),
+            protocol_version: orchestrator_proto::PROTOCOL_VERSION,
         });
         req.set_timeout(RPC_DEADLINE);
-        client.register(req).await?;
+        client.register(req).await.map_err(|s| anyhow::anyhow!("registering with {coord}: {}", s.message()))?;
         // Heartbeats; a coordinator that stops answering ends this worker.
         let stop = shutdown.clone();
         tokio::spawn(async move {
