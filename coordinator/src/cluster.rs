@@ -6,13 +6,14 @@
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use orchestrator_proto::v1 as pb;
 use orchestrator_proto::v1::worker_client::WorkerClient;
+use orchestrator_worker::auth::Token;
 use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
 use tonic::transport::{Channel, Endpoint};
@@ -82,6 +83,8 @@ pub struct Cluster {
     pub dp: u32,
     pub workers: Vec<WorkerHandle>,
     pub registry: Arc<Registry>,
+    /// The cluster's shared secret, sent with every call.
+    pub token: Token,
 }
 
 /// A failure named by rank.
@@ -98,14 +101,26 @@ fn worker_command() -> anyhow::Result<(PathBuf, Vec<String>)> {
 }
 
 impl Cluster {
-    /// Starts `tp * dp` worker processes that register with `coordinator`.
-    pub fn spawn(tp: u32, dp: u32, coordinator: &str, registry: Arc<Registry>) -> anyhow::Result<Self> {
+    /// Starts `tp * dp` worker processes that register with `coordinator`, authenticate with
+    /// the token in `token_file`, and read checkpoints only under `allow_roots`.
+    pub fn spawn(
+        tp: u32,
+        dp: u32,
+        coordinator: &str,
+        registry: Arc<Registry>,
+        token: Token,
+        token_file: &Path,
+        allow_roots: &[PathBuf],
+    ) -> anyhow::Result<Self> {
         let (bin, leading) = worker_command()?;
         let mut workers = Vec::new();
         for id in 0..tp * dp {
             let child = Command::new(&bin)
                 .args(&leading)
                 .args(["--coordinator", coordinator, "--worker-id", &id.to_string()])
+                .arg("--token-file")
+                .arg(token_file)
+                .args(allow_roots.iter().flat_map(|r| [std::ffi::OsStr::new("--allow-root"), r.as_os_str()]))
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit())
@@ -121,7 +136,7 @@ impl Cluster {
                 collective: String::new(),
             });
         }
-        Ok(Self { tp, dp, workers, registry })
+        Ok(Self { tp, dp, workers, registry, token })
     }
 
     /// The first worker that exited or stopped answering, checked every 100 ms; never returns
@@ -238,17 +253,20 @@ impl Cluster {
         let (tp, dp) = (self.tp, self.dp);
         let results = self
             .fan_out(|w, mut client| {
-                let mut req = tonic::Request::new(pb::AssignRequest {
-                    tp_size: tp,
-                    tp_rank: w.tp,
-                    dp_size: dp,
-                    dp_rank: w.dp,
-                    source: Some(source.clone()),
-                    scale_rule: scale_rule.to_string(),
-                    fault: fault.filter(|(rank, _)| *rank == w.id).map(|(_, f)| f as i32).unwrap_or(0),
-                    dump_dir: dump_dir.clone(),
-                });
-                req.set_timeout(ASSIGN_DEADLINE);
+                let req = orchestrator_worker::auth::request(
+                    pb::AssignRequest {
+                        tp_size: tp,
+                        tp_rank: w.tp,
+                        dp_size: dp,
+                        dp_rank: w.dp,
+                        source: Some(source.clone()),
+                        scale_rule: scale_rule.to_string(),
+                        fault: fault.filter(|(rank, _)| *rank == w.id).map(|(_, f)| f as i32).unwrap_or(0),
+                        dump_dir: dump_dir.clone(),
+                    },
+                    ASSIGN_DEADLINE,
+                    Some(&self.token),
+                );
                 let label = w.label();
                 async move {
                     client
@@ -295,9 +313,9 @@ impl Cluster {
                 let label = w.label();
                 let id = w.id;
                 let show = show.clone();
+                let token = self.token.clone();
                 async move {
-                    let mut req = tonic::Request::new(pb::LoadRequest {});
-                    req.set_timeout(LOAD_DEADLINE);
+                    let req = orchestrator_worker::auth::request(pb::LoadRequest {}, LOAD_DEADLINE, Some(&token));
                     let mut stream = client.load(req).await.map_err(|s| format!("{label}: load: {}", s.message()))?.into_inner();
                     loop {
                         match stream.message().await {
@@ -326,15 +344,11 @@ impl Cluster {
         let peers: BTreeMap<u32, Vec<String>> =
             (0..self.dp).map(|dp| (dp, self.workers.iter().filter(|w| w.dp == dp).map(|w| w.collective.clone()).collect())).collect();
         self.fan_out(|w, mut client| {
-            let mut req = tonic::Request::new(pb::ProbeRequest {
-                tokens,
-                latents,
-                seed,
-                group: u64::from(w.dp),
-                peers: peers[&w.dp].clone(),
-                timeout_ms: 15_000,
-            });
-            req.set_timeout(PROBE_DEADLINE);
+            let req = orchestrator_worker::auth::request(
+                pb::ProbeRequest { tokens, latents, seed, group: u64::from(w.dp), peers: peers[&w.dp].clone(), timeout_ms: 15_000 },
+                PROBE_DEADLINE,
+                Some(&self.token),
+            );
             let label = w.label();
             async move { client.probe(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: probe: {}", s.message())) }
         })
@@ -344,8 +358,7 @@ impl Cluster {
     /// Every rank's report.
     pub async fn reports(&self) -> Result<BTreeMap<u32, Result<pb::RankReport, String>>, Failures> {
         self.fan_out(|w, mut client| {
-            let mut req = tonic::Request::new(pb::ReportRequest {});
-            req.set_timeout(REPORT_DEADLINE);
+            let req = orchestrator_worker::auth::request(pb::ReportRequest {}, REPORT_DEADLINE, Some(&self.token));
             let label = w.label();
             async move { client.report(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: report: {}", s.message())) }
         })
@@ -356,8 +369,7 @@ impl Cluster {
     pub async fn shutdown(&self) {
         for w in &self.workers {
             if let Some(mut client) = w.client.clone() {
-                let mut req = tonic::Request::new(pb::ShutdownRequest {});
-                req.set_timeout(SHUTDOWN_DEADLINE);
+                let req = orchestrator_worker::auth::request(pb::ShutdownRequest {}, SHUTDOWN_DEADLINE, Some(&self.token));
                 let _ = client.shutdown(req).await;
             }
         }

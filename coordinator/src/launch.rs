@@ -14,6 +14,7 @@ use orchestrator_model::{ModelConfig, Preset};
 use orchestrator_proto::v1 as pb;
 use orchestrator_proto::v1::coordinator_server::CoordinatorServer;
 use orchestrator_worker::LoadSource;
+use orchestrator_worker::auth::Token;
 use orchestrator_worker::golden::golden_kernel_digests;
 use orchestrator_worker::probe::ProbeSpec;
 use tokio::sync::Notify;
@@ -40,6 +41,13 @@ pub struct LaunchPlan {
     pub listen: SocketAddr,
     /// Workers dump their kernel tensors under DIR/dp{D}/rank{R}.safetensors.
     pub dump_dir: Option<PathBuf>,
+    /// The cluster's shared token, the file workers read it from, and whether this launch
+    /// generated that file (then it is removed when the cluster stops).
+    pub token: Token,
+    pub token_file: PathBuf,
+    pub token_generated: bool,
+    /// Directories workers may read checkpoints from.
+    pub allow_roots: Vec<PathBuf>,
 }
 
 /// Where the default checkpoint lives: `$ORCHESTRATOR_CACHE`, else `$XDG_CACHE_HOME/orchestrator`,
@@ -165,9 +173,21 @@ async fn failure_report(plan: &LaunchPlan, cluster: &Cluster, failures: Failures
     evaluate(plan.tp, plan.dp, plan.source_desc.clone(), rows, None, timings)
 }
 
+struct TokenFileGuard(Option<PathBuf>);
+
+impl Drop for TokenFileGuard {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
 /// Runs a launch; returns the report and whether the cluster should keep serving.
 pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&ConsistencyReport)) -> anyhow::Result<bool> {
     let start = Instant::now();
+    // A token file this launch generated goes away with it, however the launch ends.
+    let _token_file = TokenFileGuard(plan.token_generated.then(|| plan.token_file.clone()));
     let mut timings = BTreeMap::new();
     let registry = Arc::new(Registry::default());
     let session_slot = Arc::new(tokio::sync::Mutex::new(None));
@@ -181,15 +201,21 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     let server = {
         let stop = server_stop.clone();
         tokio::spawn(
-            router.add_service(CoordinatorServer::new(service).max_decoding_message_size(16 << 20)).serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
-                async move { stop.notified().await },
-            ),
+            router
+                .add_service(tonic::service::interceptor::InterceptedService::new(
+                    CoordinatorServer::new(service).max_decoding_message_size(16 << 20),
+                    orchestrator_worker::auth::interceptor(Some(plan.token.clone())),
+                ))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    async move { stop.notified().await },
+                ),
         )
     };
     eprintln!("coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);
 
-    let mut cluster = Cluster::spawn(plan.tp, plan.dp, &format!("http://{address}"), registry)?;
+    let mut cluster =
+        Cluster::spawn(plan.tp, plan.dp, &format!("http://{address}"), registry, plan.token.clone(), &plan.token_file, &plan.allow_roots)?;
     let up = async {
         cluster.connect_all(Duration::from_secs(30)).await?;
         cluster.assign(&plan.source, plan.scale_rule.name(), plan.fault, plan.dump_dir.as_deref()).await
@@ -264,9 +290,8 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     emit_report(&report);
 
     if serve {
-        eprintln!(
-            "serving: `orchestrator report --coordinator http://{address}` re-runs the checks; `orchestrator shutdown --coordinator http://{address}` stops"
-        );
+        let auth = format!("--coordinator http://{address} --token-file {}", plan.token_file.display());
+        eprintln!("serving: `orchestrator report {auth}` re-runs the checks; `orchestrator shutdown {auth}` stops");
         *session_slot.lock().await = Some(session);
         tokio::select! {
             _ = shutdown.notified() => {}

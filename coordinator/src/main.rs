@@ -99,6 +99,13 @@ struct LaunchArgs {
     /// Coordinator address (loopback by default).
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: std::net::SocketAddr,
+    /// The cluster's shared token (default: a fresh random one, written under the cache
+    /// directory for the launch's lifetime; `--serve` prints its path).
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<PathBuf>,
+    /// More directories workers may read checkpoints from (the launched checkpoint's is always allowed).
+    #[arg(long, value_name = "DIR")]
+    allow_root: Vec<PathBuf>,
 }
 
 #[derive(Args)]
@@ -106,6 +113,9 @@ struct RemoteArgs {
     /// The coordinator, e.g. http://127.0.0.1:50051.
     #[arg(long)]
     coordinator: String,
+    /// The cluster's token file (printed by `launch --serve`).
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<PathBuf>,
     #[arg(long)]
     json: bool,
     /// Report without re-running the probes.
@@ -289,6 +299,21 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
     };
     orchestrator_model::plan::validate_tp(&local.config().geometry, a.tp as usize)?;
     let fault = a.inject_fault.as_deref().map(|s| parse_fault(s, a.tp * a.dp)).transpose()?;
+    let mut allow_roots = a
+        .allow_root
+        .iter()
+        .map(|r| r.canonicalize().with_context(|| format!("--allow-root {}", r.display())))
+        .collect::<Result<Vec<_>, _>>()?;
+    if let orchestrator_worker::LoadSource::Safetensors(c) = &local {
+        allow_roots.push(c.dir().to_path_buf());
+    }
+    let (token, token_file, token_generated) = match &a.token_file {
+        Some(p) => (orchestrator_worker::auth::Token::read(p)?, p.canonicalize()?, false),
+        None => {
+            let p = launch::cache_dir().join("run").join(format!("coordinator-{}.token", std::process::id()));
+            (orchestrator_worker::auth::Token::generate(&p)?, p, true)
+        }
+    };
     let plan = launch::LaunchPlan {
         tp: a.tp,
         dp: a.dp,
@@ -300,6 +325,10 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
         fault,
         verify_golden: a.verify == Some(Verify::Golden),
         listen: a.listen,
+        token,
+        token_file,
+        token_generated,
+        allow_roots,
         dump_dir: match &a.dump {
             Some(d) => {
                 std::fs::create_dir_all(d).with_context(|| format!("--dump {}", d.display()))?;
@@ -321,20 +350,23 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
 
 fn remote_cmd(a: RemoteArgs, shutdown: bool) -> anyhow::Result<bool> {
     use orchestrator_proto::v1 as pb;
+    let token = a.token_file.as_deref().map(orchestrator_worker::auth::Token::read).transpose()?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async {
         let endpoint = tonic::transport::Endpoint::from_shared(a.coordinator.clone())?.connect_timeout(std::time::Duration::from_secs(5));
         let channel = endpoint.connect().await.with_context(|| format!("connecting to {}", a.coordinator))?;
         let mut client = pb::coordinator_client::CoordinatorClient::new(channel).max_decoding_message_size(64 << 20);
         if shutdown {
-            let mut req = tonic::Request::new(pb::ShutdownRequest {});
-            req.set_timeout(std::time::Duration::from_secs(10));
+            let req = orchestrator_worker::auth::request(pb::ShutdownRequest {}, std::time::Duration::from_secs(10), token.as_ref());
             client.shutdown(req).await.map_err(|s| anyhow::anyhow!("shutdown: {}", s.message()))?;
             emit("shutdown requested\n");
             return Ok(true);
         }
-        let mut req = tonic::Request::new(pb::ClusterReportRequest { probe: !a.no_probe });
-        req.set_timeout(std::time::Duration::from_secs(1800));
+        let req = orchestrator_worker::auth::request(
+            pb::ClusterReportRequest { probe: !a.no_probe },
+            std::time::Duration::from_secs(1800),
+            token.as_ref(),
+        );
         let r = client.report(req).await.map_err(|s| anyhow::anyhow!("report: {}", s.message()))?.into_inner();
         emit(&if a.json { format!("{}\n", r.json) } else { r.text });
         Ok(r.ok)

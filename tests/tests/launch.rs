@@ -189,17 +189,32 @@ fn serve_report_kill_and_shutdown() {
     let mut child = KillOnDrop(child);
     // The coordinator's address is printed on stderr.
     let mut lines = BufReader::new(child.0.stderr.take().unwrap()).lines();
-    let mut coordinator = None;
+    let mut announced = None;
     for line in lines.by_ref() {
         let line = line.unwrap();
         if let Some(rest) = line.strip_prefix("serving: `orchestrator report --coordinator ") {
-            coordinator = Some(rest.split('`').next().unwrap().to_string());
+            announced = Some(rest.split('`').next().unwrap().to_string());
             break;
         }
     }
-    let coordinator = coordinator.expect("the coordinator announces itself");
+    let announced = announced.expect("the coordinator announces itself");
+    let (coordinator, token) = announced.split_once(" --token-file ").expect("address and token file");
+    let (coordinator, token) = (coordinator.to_string(), token.to_string());
     std::thread::spawn(move || for _ in lines {});
-    let report = run("orchestrator", &["report", "--coordinator", &coordinator, "--json"]);
+
+    // Without the token, or with a wrong one, control requests are refused and change nothing.
+    let wrong = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(wrong.path(), "0123456789abcdef0123456789abcdef").unwrap();
+    for extra in [vec![], vec!["--token-file", wrong.path().to_str().unwrap()]] {
+        for command in ["report", "shutdown"] {
+            let mut args = vec![command, "--coordinator", coordinator.as_str()];
+            args.extend(&extra);
+            let o = run("orchestrator", &args);
+            assert_eq!(o.status.code(), Some(2), "{command} {extra:?}: {}", stdout(&o));
+            assert!(stderr(&o).contains("missing or wrong token"), "{}", stderr(&o));
+        }
+    }
+    let report = run("orchestrator", &["report", "--coordinator", &coordinator, "--token-file", &token, "--json"]);
     assert!(report.status.success(), "{}", stderr(&report));
     let doc: Value = serde_json::from_slice(&report.stdout).unwrap();
     assert_eq!(doc["ok"], true);
@@ -208,13 +223,13 @@ fn serve_report_kill_and_shutdown() {
     let killed = Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
     assert!(killed.success());
     let start = Instant::now();
-    let report = run("orchestrator", &["report", "--coordinator", &coordinator, "--json"]);
+    let report = run("orchestrator", &["report", "--coordinator", &coordinator, "--token-file", &token, "--json"]);
     assert!(start.elapsed() < Duration::from_secs(20), "report hung for {:?}", start.elapsed());
     assert_eq!(report.status.code(), Some(1), "{}", stdout(&report));
     let doc: Value = serde_json::from_slice(&report.stdout).unwrap();
     let dead = doc["ranks"].as_array().unwrap().iter().find(|r| r["tp"] == 1).unwrap();
     assert!(dead["failure"].as_str().unwrap().contains("rank dp0/tp1"), "{dead}");
-    let shut = run("orchestrator", &["shutdown", "--coordinator", &coordinator]);
+    let shut = run("orchestrator", &["shutdown", "--coordinator", &coordinator, "--token-file", &token]);
     assert!(shut.status.success(), "{}", stderr(&shut));
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

@@ -17,12 +17,20 @@ pub struct ServeArgs {
     /// This worker's id, given by the launcher.
     #[arg(long, default_value_t = 0)]
     pub worker_id: u32,
+    /// The cluster's shared token: every Worker RPC must carry it (without one, none is checked).
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<std::path::PathBuf>,
+    /// A directory this worker may read checkpoints from (repeatable; none: no checkpoint is read).
+    #[arg(long, value_name = "DIR")]
+    pub allow_root: Vec<std::path::PathBuf>,
 }
 
 impl ServeArgs {
     /// Serves until shut down.
     pub fn run(self) -> anyhow::Result<()> {
-        crate::server::run(self.listen, self.coordinator, self.worker_id)
+        let token = self.token_file.as_deref().map(crate::auth::Token::read).transpose()?;
+        let roots = crate::auth::AllowedRoots::new(&self.allow_root)?;
+        crate::server::run(self.listen, self.coordinator, self.worker_id, token, roots)
     }
 }
 

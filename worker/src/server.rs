@@ -18,6 +18,7 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::auth::{AllowedRoots, Token};
 use crate::collective::{Collective, LocalCollective, RingListener, TcpRing};
 use crate::faults::{Fault, inject};
 use crate::loader::{RankLoader, RankWeights};
@@ -55,6 +56,7 @@ pub struct WorkerService {
     state: Arc<Mutex<State>>,
     shutdown: Arc<Notify>,
     host: String,
+    roots: Arc<AllowedRoots>,
 }
 
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
@@ -65,11 +67,12 @@ fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "localhost".into())
 }
 
-/// Builds the load source a request names.
-pub fn source_from(pb_source: Option<&pb::LoadSource>) -> Result<LoadSource, Status> {
+/// Builds the load source a request names; a checkpoint directory must lie under `roots`.
+pub fn source_from(pb_source: Option<&pb::LoadSource>, roots: &AllowedRoots) -> Result<LoadSource, Status> {
     match pb_source.and_then(|s| s.kind.as_ref()) {
         Some(Kind::CheckpointDir(dir)) => {
-            LoadSource::open_checkpoint(std::path::Path::new(dir)).map_err(|e| Status::invalid_argument(format!("source: {e}")))
+            let dir = roots.check(std::path::Path::new(dir)).map_err(|e| Status::permission_denied(e.to_string()))?;
+            LoadSource::open_checkpoint(&dir).map_err(|e| Status::invalid_argument(format!("source: {e}")))
         }
         Some(Kind::Dummy(d)) => {
             let preset = d.preset.parse().map_err(|e| Status::invalid_argument(format!("source.dummy.preset: {e}")))?;
@@ -85,8 +88,8 @@ pub fn source_from(pb_source: Option<&pb::LoadSource>) -> Result<LoadSource, Sta
 type ProgressStream = Pin<Box<dyn Stream<Item = Result<pb::LoadProgress, Status>> + Send>>;
 
 impl WorkerService {
-    pub fn new(shutdown: Arc<Notify>) -> Self {
-        Self { state: Arc::new(Mutex::new(State::default())), shutdown, host: host_name() }
+    pub fn new(shutdown: Arc<Notify>, roots: AllowedRoots) -> Self {
+        Self { state: Arc::new(Mutex::new(State::default())), shutdown, host: host_name(), roots: Arc::new(roots) }
     }
 
     /// Runs a load or reload on a blocking thread, streaming per-layer progress.
@@ -186,7 +189,8 @@ impl Worker for WorkerService {
         let r = request.into_inner();
         let source = tokio::task::spawn_blocking({
             let s = r.source.clone();
-            move || source_from(s.as_ref())
+            let roots = self.roots.clone();
+            move || source_from(s.as_ref(), &roots)
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
@@ -226,7 +230,12 @@ impl Worker for WorkerService {
         let r = request.into_inner();
         let source = match r.source {
             Some(s) => {
-                Some(tokio::task::spawn_blocking(move || source_from(Some(&s))).await.map_err(|e| Status::internal(e.to_string()))??)
+                let roots = self.roots.clone();
+                Some(
+                    tokio::task::spawn_blocking(move || source_from(Some(&s), &roots))
+                        .await
+                        .map_err(|e| Status::internal(e.to_string()))??,
+                )
             }
             None => {
                 let st = lock(&self.state);
@@ -362,9 +371,17 @@ impl Worker for WorkerService {
 }
 
 /// Serves the worker until shut down (by RPC, by the coordinator going away, or by a signal).
-pub async fn serve(listen: SocketAddr, coordinator: Option<String>, worker_id: u32) -> anyhow::Result<()> {
+/// With a token, every Worker RPC must carry it, and calls to the coordinator send it; only
+/// checkpoint directories under `roots` are read.
+pub async fn serve(
+    listen: SocketAddr,
+    coordinator: Option<String>,
+    worker_id: u32,
+    token: Option<Token>,
+    roots: AllowedRoots,
+) -> anyhow::Result<()> {
     let shutdown = Arc::new(Notify::new());
-    let service = WorkerService::new(shutdown.clone());
+    let service = WorkerService::new(shutdown.clone(), roots);
     let listener = tokio::net::TcpListener::bind(listen).await?;
     let address = listener.local_addr()?;
     let router = crate::grpc::standard_router::<WorkerServer<WorkerService>>().await?;
@@ -372,24 +389,27 @@ pub async fn serve(listen: SocketAddr, coordinator: Option<String>, worker_id: u
 
     if let Some(coord) = coordinator.clone() {
         let mut client = CoordinatorClient::connect(coord.clone()).await?;
-        let mut req = Request::new(pb::RegisterRequest {
-            worker_id,
-            address: format!("http://{address}"),
-            host: host_name(),
-            device: "cpu".into(),
-            pid: std::process::id(),
-            protocol_version: orchestrator_proto::PROTOCOL_VERSION,
-        });
-        req.set_timeout(RPC_DEADLINE);
+        let req = crate::auth::request(
+            pb::RegisterRequest {
+                worker_id,
+                address: format!("http://{address}"),
+                host: host_name(),
+                device: "cpu".into(),
+                pid: std::process::id(),
+                protocol_version: orchestrator_proto::PROTOCOL_VERSION,
+            },
+            RPC_DEADLINE,
+            token.as_ref(),
+        );
         client.register(req).await.map_err(|s| anyhow::anyhow!("registering with {coord}: {}", s.message()))?;
         // Heartbeats; a coordinator that stops answering ends this worker.
         let stop = shutdown.clone();
+        let token = token.clone();
         tokio::spawn(async move {
             let mut misses = 0;
             loop {
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                let mut req = Request::new(pb::HeartbeatRequest { worker_id });
-                req.set_timeout(Duration::from_secs(2));
+                let req = crate::auth::request(pb::HeartbeatRequest { worker_id }, Duration::from_secs(2), token.as_ref());
                 match client.heartbeat(req).await {
                     Ok(_) => misses = 0,
                     Err(_) => misses += 1,
@@ -405,7 +425,10 @@ pub async fn serve(listen: SocketAddr, coordinator: Option<String>, worker_id: u
 
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     router
-        .add_service(WorkerServer::new(service).max_decoding_message_size(16 << 20))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            WorkerServer::new(service).max_decoding_message_size(16 << 20),
+            crate::auth::interceptor(token.clone()),
+        ))
         .serve_with_incoming_shutdown(incoming, async move {
             tokio::select! {
                 _ = shutdown.notified() => {}
@@ -417,7 +440,47 @@ pub async fn serve(listen: SocketAddr, coordinator: Option<String>, worker_id: u
 }
 
 /// [`serve`] on its own runtime (the entry point of a worker process).
-pub fn run(listen: SocketAddr, coordinator: Option<String>, worker_id: u32) -> anyhow::Result<()> {
+pub fn run(
+    listen: SocketAddr,
+    coordinator: Option<String>,
+    worker_id: u32,
+    token: Option<Token>,
+    roots: AllowedRoots,
+) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    runtime.block_on(serve(listen, coordinator, worker_id))
+    runtime.block_on(serve(listen, coordinator, worker_id, token, roots))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orchestrator_model::synth::{SynthOptions, write_checkpoint};
+
+    #[test]
+    fn checkpoints_outside_the_allowed_roots_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (root, other) = (tmp.path().join("allowed"), tmp.path().join("other"));
+        let config = ModelConfig::from_preset(orchestrator_model::Preset::Tiny, Some(1), false).unwrap();
+        for dir in [root.join("ckpt"), other.join("ckpt")] {
+            write_checkpoint(&dir, &SynthOptions { config: config.clone(), seed: 1, max_shard_bytes: 1 << 30, preset_name: None }).unwrap();
+        }
+        let roots = AllowedRoots::new(std::slice::from_ref(&root)).unwrap();
+        let src = |p: &std::path::Path| pb::LoadSource { kind: Some(Kind::CheckpointDir(p.display().to_string())) };
+        assert!(source_from(Some(&src(&root.join("ckpt"))), &roots).is_ok());
+        for bad in [other.join("ckpt"), root.join("ckpt/../../other/ckpt")] {
+            let e = source_from(Some(&src(&bad)), &roots).err().unwrap();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{bad:?}");
+            assert!(e.message().contains(&bad.display().to_string()), "{}", e.message());
+        }
+        #[cfg(unix)]
+        {
+            let link = root.join("escape");
+            std::os::unix::fs::symlink(other.join("ckpt"), &link).unwrap();
+            assert_eq!(source_from(Some(&src(&link)), &roots).err().unwrap().code(), tonic::Code::PermissionDenied);
+        }
+        // No roots: no checkpoint directory at all; dummy sources need none.
+        assert!(source_from(Some(&src(&root.join("ckpt"))), &AllowedRoots::default()).is_err());
+        let dummy = pb::LoadSource { kind: Some(Kind::Dummy(pb::DummySource { preset: "tiny".into(), layers: 1, seed: 0, bf16: false })) };
+        assert!(source_from(Some(&dummy), &AllowedRoots::default()).is_ok());
+    }
 }

@@ -1,0 +1,182 @@
+//! Access control: a shared token on every control RPC (compared in constant time; a request
+//! without it, or with a wrong one, is refused with `Unauthenticated`), and the directories a
+//! worker may read checkpoints from.
+
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use subtle::ConstantTimeEq;
+use tonic::metadata::MetadataValue;
+use tonic::{Request, Status};
+
+/// Why a token or a path was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("token file {path}: {why}")]
+    TokenFile { path: PathBuf, why: String },
+    #[error("checkpoint path {path}: {why}")]
+    Path { path: PathBuf, why: String },
+}
+
+/// The shared secret of a cluster.
+#[derive(Clone)]
+pub struct Token(Arc<str>);
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(..)")
+    }
+}
+
+impl Token {
+    /// Reads a token file (surrounding whitespace ignored; at least 16 characters).
+    pub fn read(path: &Path) -> Result<Self, AuthError> {
+        let err = |why: String| AuthError::TokenFile { path: path.to_path_buf(), why };
+        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+        let token = text.trim();
+        if token.len() < 16 {
+            return Err(err(format!("the token has {} characters; use at least 16", token.len())));
+        }
+        if !token.chars().all(|c| c.is_ascii_graphic()) {
+            return Err(err("the token must be printable ASCII without spaces".into()));
+        }
+        Ok(Self(token.into()))
+    }
+
+    /// A fresh random token (32 bytes from the OS, hex), written to `path` readable by the
+    /// owner only.
+    pub fn generate(path: &Path) -> Result<Self, AuthError> {
+        let err = |why: String| AuthError::TokenFile { path: path.to_path_buf(), why };
+        let mut bytes = [0u8; 32];
+        use std::io::Read as _;
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut bytes))
+            .map_err(|e| err(format!("reading /dev/urandom: {e}")))?;
+        let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
+        }
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create(true).truncate(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+        use std::io::Write as _;
+        options.open(path).and_then(|mut f| f.write_all(token.as_bytes())).map_err(|e| err(e.to_string()))?;
+        Ok(Self(token.into()))
+    }
+
+    fn bearer(&self) -> String {
+        format!("Bearer {}", self.0)
+    }
+
+    /// True when a request carries this token (constant-time comparison).
+    pub fn admits<T>(&self, request: &Request<T>) -> bool {
+        let Some(value) = request.metadata().get("authorization") else { return false };
+        let got = value.as_bytes();
+        let want = self.bearer();
+        got.len() == want.len() && bool::from(got.ct_eq(want.as_bytes()))
+    }
+}
+
+/// A server-side check for every RPC of a service: refuse without the token.
+pub fn interceptor(token: Option<Token>) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone {
+    move |request: Request<()>| match &token {
+        Some(t) if !t.admits(&request) => Err(Status::unauthenticated("missing or wrong token (pass the cluster's --token-file)")),
+        _ => Ok(request),
+    }
+}
+
+/// A client request with a deadline and, when there is one, the token.
+pub fn request<T>(message: T, deadline: Duration, token: Option<&Token>) -> Request<T> {
+    let mut r = Request::new(message);
+    r.set_timeout(deadline);
+    if let Some(t) = token
+        && let Ok(v) = MetadataValue::try_from(t.bearer())
+    {
+        r.metadata_mut().insert("authorization", v);
+    }
+    r
+}
+
+/// The directories a worker may read checkpoints from.
+#[derive(Clone, Debug, Default)]
+pub struct AllowedRoots(Vec<PathBuf>);
+
+impl AllowedRoots {
+    /// Canonicalizes each root (each must exist).
+    pub fn new(roots: &[PathBuf]) -> Result<Self, AuthError> {
+        roots
+            .iter()
+            .map(|r| r.canonicalize().map_err(|e| AuthError::Path { path: r.clone(), why: format!("allowed root: {e}") }))
+            .collect::<Result<_, _>>()
+            .map(Self)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The canonical checkpoint directory, if it lies under an allowed root: a path with `..`
+    /// is refused outright, and symlinks are resolved before the check, so none can escape.
+    pub fn check(&self, path: &Path) -> Result<PathBuf, AuthError> {
+        let err = |why: String| AuthError::Path { path: path.to_path_buf(), why };
+        if path.components().any(|c| c == Component::ParentDir) {
+            return Err(err("`..` is not allowed in checkpoint paths".into()));
+        }
+        let canonical = path.canonicalize().map_err(|e| err(e.to_string()))?;
+        if self.0.iter().any(|root| canonical.starts_with(root)) {
+            Ok(canonical)
+        } else if self.0.is_empty() {
+            Err(err("this worker has no --allow-root: it reads no checkpoint directories".into()))
+        } else {
+            let roots: Vec<String> = self.0.iter().map(|r| r.display().to_string()).collect();
+            Err(err(format!("resolves to {}, outside the allowed roots ({})", canonical.display(), roots.join(", "))))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_checks_are_exact() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t");
+        let token = Token::generate(&path).unwrap();
+        let again = Token::read(&path).unwrap();
+        let mut ok = request((), Duration::from_secs(1), Some(&again));
+        assert!(token.admits(&ok));
+        assert!(!token.admits(&Request::new(())));
+        ok.metadata_mut().insert("authorization", MetadataValue::try_from("Bearer x").unwrap());
+        assert!(!token.admits(&ok));
+        std::fs::write(&path, "short").unwrap();
+        assert!(matches!(Token::read(&path), Err(AuthError::TokenFile { .. })));
+        let mut check = interceptor(Some(token));
+        assert_eq!(check(Request::new(())).unwrap_err().code(), tonic::Code::Unauthenticated);
+        assert!(check(request((), Duration::from_secs(1), Some(&again))).is_ok());
+    }
+
+    #[test]
+    fn roots_refuse_dotdot_and_symlink_escapes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let inside = root.join("ckpt");
+        let outside = tmp.path().join("elsewhere");
+        std::fs::create_dir_all(&inside).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        let roots = AllowedRoots::new(std::slice::from_ref(&root)).unwrap();
+        assert_eq!(roots.check(&inside).unwrap(), inside.canonicalize().unwrap());
+        assert!(roots.check(&outside).is_err());
+        assert!(roots.check(&root.join("ckpt/../ckpt")).is_err(), "`..` is refused");
+        #[cfg(unix)]
+        {
+            let link = root.join("escape");
+            std::os::unix::fs::symlink(&outside, &link).unwrap();
+            let e = roots.check(&link).unwrap_err().to_string();
+            assert!(e.contains("outside the allowed roots"), "{e}");
+        }
+        assert!(AllowedRoots::default().check(&inside).is_err());
+    }
+}
