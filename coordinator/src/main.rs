@@ -384,12 +384,5 @@ fn main() -> ExitCode {
         Command::Checkpoint(CheckpointCommand::Synth(a)) => synth(a),
         Command::Checkpoint(CheckpointCommand::Inspect(a)) => inspect_cmd(a),
     };
-    match result {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(1),
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(2)
-        }
-    }
+    orchestrator_worker::output::exit_code(result)
 }

@@ -28,9 +28,13 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// Serves until shut down.
     pub fn run(self) -> anyhow::Result<()> {
-        let token = self.token_file.as_deref().map(crate::auth::Token::read).transpose()?;
-        let roots = crate::auth::AllowedRoots::new(&self.allow_root)?;
-        crate::server::run(self.listen, self.coordinator, self.worker_id, token, roots)
+        crate::server::run(crate::server::ServeConfig {
+            listen: self.listen,
+            coordinator: self.coordinator,
+            worker_id: self.worker_id,
+            token: self.token_file.as_deref().map(crate::auth::Token::read).transpose()?,
+            roots: crate::auth::AllowedRoots::new(&self.allow_root)?,
+        })
     }
 }
 

@@ -197,12 +197,5 @@ fn main() -> ExitCode {
             Ok(true)
         })(),
     };
-    match result {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(1),
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(2)
-        }
-    }
+    orchestrator_worker::output::exit_code(result)
 }

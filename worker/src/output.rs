@@ -14,3 +14,16 @@ pub fn emit(text: &str) {
         std::process::exit(2);
     }
 }
+
+/// The process exit code of a command: 0 when it succeeded and every check agreed, 1 when a
+/// check failed, 2 on an error (printed on stderr).
+pub fn exit_code(result: anyhow::Result<bool>) -> std::process::ExitCode {
+    match result {
+        Ok(true) => std::process::ExitCode::SUCCESS,
+        Ok(false) => std::process::ExitCode::from(1),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}

@@ -370,16 +370,22 @@ impl Worker for WorkerService {
     }
 }
 
+/// How a worker serves.
+pub struct ServeConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Coordinator to register with and heartbeat to.
+    pub coordinator: Option<String>,
+    pub worker_id: u32,
+    /// With a token, every Worker RPC must carry it, and calls to the coordinator send it.
+    pub token: Option<Token>,
+    /// Only checkpoint directories under these are read.
+    pub roots: AllowedRoots,
+}
+
 /// Serves the worker until shut down (by RPC, by the coordinator going away, or by a signal).
-/// With a token, every Worker RPC must carry it, and calls to the coordinator send it; only
-/// checkpoint directories under `roots` are read.
-pub async fn serve(
-    listen: SocketAddr,
-    coordinator: Option<String>,
-    worker_id: u32,
-    token: Option<Token>,
-    roots: AllowedRoots,
-) -> anyhow::Result<()> {
+pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
+    let ServeConfig { listen, coordinator, worker_id, token, roots } = config;
     let shutdown = Arc::new(Notify::new());
     let service = WorkerService::new(shutdown.clone(), roots);
     let listener = tokio::net::TcpListener::bind(listen).await?;
@@ -440,15 +446,9 @@ pub async fn serve(
 }
 
 /// [`serve`] on its own runtime (the entry point of a worker process).
-pub fn run(
-    listen: SocketAddr,
-    coordinator: Option<String>,
-    worker_id: u32,
-    token: Option<Token>,
-    roots: AllowedRoots,
-) -> anyhow::Result<()> {
+pub fn run(config: ServeConfig) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    runtime.block_on(serve(listen, coordinator, worker_id, token, roots))
+    runtime.block_on(serve(config))
 }
 
 #[cfg(test)]
