@@ -85,6 +85,9 @@ pub struct Cluster {
     pub registry: Arc<Registry>,
     /// The cluster's shared secret, sent with every call.
     pub token: Token,
+    /// One lock per TP group (replica): calls that use the group's ring (probes) or change its
+    /// version (staging, commit) hold it, so they never interleave.
+    pub group_locks: Vec<tokio::sync::Mutex<()>>,
 }
 
 /// A failure named by rank.
@@ -136,7 +139,8 @@ impl Cluster {
                 collective: String::new(),
             });
         }
-        Ok(Self { tp, dp, workers, registry, token })
+        let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
+        Ok(Self { tp, dp, workers, registry, token, group_locks })
     }
 
     /// The first worker that exited or stopped answering, checked every 100 ms; never returns
@@ -222,8 +226,18 @@ impl Cluster {
         F: Fn(&WorkerHandle, WorkerClient<Channel>) -> Fut,
         Fut: Future<Output = Result<T, String>> + Send + 'static,
     {
+        self.fan_out_in(None, op).await
+    }
+
+    /// [`Cluster::fan_out`] on the ranks of one replica (`Some(dp)`) or of all.
+    pub async fn fan_out_in<T, F, Fut>(&self, group: Option<u32>, op: F) -> Result<BTreeMap<u32, Result<T, String>>, Failures>
+    where
+        T: Send + 'static,
+        F: Fn(&WorkerHandle, WorkerClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<T, String>> + Send + 'static,
+    {
         let mut set = JoinSet::new();
-        for w in &self.workers {
+        for w in self.workers.iter().filter(|w| group.is_none_or(|g| w.dp == g)) {
             let Some(client) = w.client.clone() else { continue };
             let id = w.id;
             let fut = op(w, client);
@@ -338,14 +352,26 @@ impl Cluster {
         result
     }
 
-    /// Runs the probe on every rank; each TP group all-reduces over its ring (set up on the
-    /// first probe, reused after).
-    pub async fn probe(&self, tokens: u32, latents: u32, seed: u64) -> Result<BTreeMap<u32, Result<pb::ProbeResult, String>>, Failures> {
+    /// Runs the probe on the ranks of one replica (or all), on their active or staged weights;
+    /// each TP group all-reduces over its ring (set up on the first probe, reused after) while
+    /// holding its group lock.
+    pub async fn probe_in(
+        &self,
+        group: Option<u32>,
+        (tokens, latents, seed): (u32, u32, u64),
+        shadow: bool,
+    ) -> Result<BTreeMap<u32, Result<pb::ProbeResult, String>>, Failures> {
+        let mut guards = Vec::new();
+        for (dp, lock) in self.group_locks.iter().enumerate() {
+            if group.is_none_or(|g| g as usize == dp) {
+                guards.push(lock.lock().await);
+            }
+        }
         let peers: BTreeMap<u32, Vec<String>> =
             (0..self.dp).map(|dp| (dp, self.workers.iter().filter(|w| w.dp == dp).map(|w| w.collective.clone()).collect())).collect();
-        self.fan_out(|w, mut client| {
+        self.fan_out_in(group, |w, mut client| {
             let req = orchestrator_worker::auth::request(
-                pb::ProbeRequest { tokens, latents, seed, group: u64::from(w.dp), peers: peers[&w.dp].clone(), timeout_ms: 15_000 },
+                pb::ProbeRequest { tokens, latents, seed, group: u64::from(w.dp), peers: peers[&w.dp].clone(), timeout_ms: 15_000, shadow },
                 PROBE_DEADLINE,
                 Some(&self.token),
             );
@@ -355,14 +381,71 @@ impl Cluster {
         .await
     }
 
+    /// Runs the probe on every rank's active weights.
+    pub async fn probe(&self, tokens: u32, latents: u32, seed: u64) -> Result<BTreeMap<u32, Result<pb::ProbeResult, String>>, Failures> {
+        self.probe_in(None, (tokens, latents, seed), false).await
+    }
+
     /// Every rank's report.
     pub async fn reports(&self) -> Result<BTreeMap<u32, Result<pb::RankReport, String>>, Failures> {
-        self.fan_out(|w, mut client| {
-            let req = orchestrator_worker::auth::request(pb::ReportRequest {}, REPORT_DEADLINE, Some(&self.token));
+        self.reports_in(None, false).await
+    }
+
+    /// The reports of one replica's ranks (or all), on their active or staged weights.
+    pub async fn reports_in(&self, group: Option<u32>, shadow: bool) -> Result<BTreeMap<u32, Result<pb::RankReport, String>>, Failures> {
+        self.fan_out_in(group, |w, mut client| {
+            let req = orchestrator_worker::auth::request(pb::ReportRequest { shadow }, REPORT_DEADLINE, Some(&self.token));
             let label = w.label();
             async move { client.report(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: report: {}", s.message())) }
         })
         .await
+    }
+
+    /// Stages `source` on every rank of replica `dp` (shadow buffers; the active weights keep
+    /// serving): seconds by worker.
+    pub async fn stage(&self, dp: u32, source: &pb::LoadSource) -> Result<BTreeMap<u32, Result<f64, String>>, Failures> {
+        self.fan_out_in(Some(dp), |w, mut client| {
+            let label = w.label();
+            let req =
+                orchestrator_worker::auth::request(pb::StageRequest { source: Some(source.clone()) }, LOAD_DEADLINE, Some(&self.token));
+            async move {
+                let mut stream = client.stage(req).await.map_err(|s| format!("{label}: stage: {}", s.message()))?.into_inner();
+                loop {
+                    match stream.message().await {
+                        Ok(Some(p)) if p.finished => return Ok(p.load_seconds),
+                        Ok(Some(_)) => {}
+                        Ok(None) => return Err(format!("{label}: stage stream ended early")),
+                        Err(s) => return Err(format!("{label}: stage: {}", s.message())),
+                    }
+                }
+            }
+        })
+        .await
+    }
+
+    /// Swaps the staged version in on every rank of replica `dp`, holding its group lock
+    /// (the barrier): checkpoint version by worker.
+    pub async fn commit(&self, dp: u32) -> Result<BTreeMap<u32, Result<String, String>>, Failures> {
+        let _guard = self.group_locks[dp as usize].lock().await;
+        self.fan_out_in(Some(dp), |w, mut client| {
+            let label = w.label();
+            let req = orchestrator_worker::auth::request(pb::CommitRequest {}, ASSIGN_DEADLINE, Some(&self.token));
+            async move {
+                client.commit(req).await.map(|r| r.into_inner().checkpoint_version).map_err(|s| format!("{label}: commit: {}", s.message()))
+            }
+        })
+        .await
+    }
+
+    /// Drops whatever replica `dp` staged.
+    pub async fn abort(&self, dp: u32) {
+        let _ = self
+            .fan_out_in(Some(dp), |w, mut client| {
+                let req = orchestrator_worker::auth::request(pb::AbortRequest {}, ASSIGN_DEADLINE, Some(&self.token));
+                let _ = w;
+                async move { client.abort(req).await.map(|_| ()).map_err(|s| s.message().to_string()) }
+            })
+            .await;
     }
 
     /// Asks every worker to stop, then kills any that did not.

@@ -85,7 +85,11 @@ pub fn default_checkpoint() -> anyhow::Result<PathBuf> {
 
 /// A cluster that is up, and what is needed to check it again.
 pub struct Session {
-    pub cluster: Cluster,
+    pub cluster: Arc<Cluster>,
+    /// Which replicas serve routed probes, and their versions.
+    pub rotation: Arc<crate::update::Rotation>,
+    /// The running plan's configuration (an update must match it).
+    pub config: orchestrator_model::ModelConfig,
     pub source_desc: String,
     pub probe: Option<ProbeSpec>,
     pub golden: Option<BTreeMap<u32, BTreeMap<String, String>>>,
@@ -192,7 +196,12 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     let registry = Arc::new(Registry::default());
     let session_slot = Arc::new(tokio::sync::Mutex::new(None));
     let shutdown = Arc::new(Notify::new());
-    let service = CoordinatorService { registry: registry.clone(), session: session_slot.clone(), shutdown: shutdown.clone() };
+    let service = CoordinatorService {
+        registry: registry.clone(),
+        session: session_slot.clone(),
+        shutdown: shutdown.clone(),
+        update_lock: Default::default(),
+    };
 
     let listener = tokio::net::TcpListener::bind(plan.listen).await?;
     let address = listener.local_addr()?;
@@ -282,7 +291,17 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         None => None,
     };
 
-    let mut session = Session { cluster, source_desc: plan.source_desc.clone(), probe: plan.probe, golden, load_seconds, timings };
+    let rotation = Arc::new(crate::update::Rotation::new(vec![plan.local_source.version(); plan.dp as usize]));
+    let mut session = Session {
+        cluster: Arc::new(cluster),
+        rotation,
+        config: plan.local_source.config().clone(),
+        source_desc: plan.source_desc.clone(),
+        probe: plan.probe,
+        golden,
+        load_seconds,
+        timings,
+    };
     let report = session.check(true).await;
     session.timings.insert("total".into(), start.elapsed().as_secs_f64());
     let mut report = report;

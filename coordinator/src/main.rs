@@ -5,6 +5,7 @@ mod cluster;
 mod consistency;
 mod launch;
 mod service;
+mod update;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -36,6 +37,12 @@ enum Command {
     Report(RemoteArgs),
     /// Stop a `launch --serve` cluster.
     Shutdown(RemoteArgs),
+    /// Roll a new checkpoint (same geometry) across a `--serve` cluster, one replica at a time,
+    /// each verified before an all-ranks swap.
+    Update(UpdateArgs),
+    /// A bounded probe load through the coordinator's rotation: counts per replica and version,
+    /// latency percentiles.
+    Probe(ProbeLoadArgs),
     /// Checkpoint tools.
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
@@ -106,6 +113,33 @@ struct LaunchArgs {
     /// More directories workers may read checkpoints from (the launched checkpoint's is always allowed).
     #[arg(long, value_name = "DIR")]
     allow_root: Vec<PathBuf>,
+}
+
+#[derive(Args)]
+struct UpdateArgs {
+    #[command(flatten)]
+    remote: RemoteArgs,
+    /// The new checkpoint directory (must lie under the workers' allowed roots).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Replicas updated at once (the update goes one replica at a time, which never exceeds it).
+    #[arg(long, default_value_t = 1)]
+    max_unavailable: u32,
+}
+
+#[derive(Args)]
+struct ProbeLoadArgs {
+    #[command(flatten)]
+    remote: RemoteArgs,
+    /// Probes per second.
+    #[arg(long)]
+    rate: f64,
+    /// Seconds to run.
+    #[arg(long)]
+    duration: f64,
+    /// Probe size: T tokens, S latents, seed.
+    #[arg(long, value_name = "T,S[,SEED]", default_value = "2,16")]
+    size: orchestrator_worker::probe::ProbeSpec,
 }
 
 #[derive(Args)]
@@ -373,6 +407,114 @@ fn remote_cmd(a: RemoteArgs, shutdown: bool) -> anyhow::Result<bool> {
     })
 }
 
+async fn coordinator_client(
+    a: &RemoteArgs,
+) -> anyhow::Result<(
+    orchestrator_proto::v1::coordinator_client::CoordinatorClient<tonic::transport::Channel>,
+    Option<orchestrator_worker::auth::Token>,
+)> {
+    let token = a.token_file.as_deref().map(orchestrator_worker::auth::Token::read).transpose()?;
+    let endpoint = tonic::transport::Endpoint::from_shared(a.coordinator.clone())?.connect_timeout(std::time::Duration::from_secs(5));
+    let channel = endpoint.connect().await.with_context(|| format!("connecting to {}", a.coordinator))?;
+    Ok((orchestrator_proto::v1::coordinator_client::CoordinatorClient::new(channel).max_decoding_message_size(64 << 20), token))
+}
+
+fn update_cmd(a: UpdateArgs) -> anyhow::Result<bool> {
+    use orchestrator_proto::v1 as pb;
+    anyhow::ensure!(a.max_unavailable >= 1, "--max-unavailable must be at least 1");
+    let dir = a.checkpoint.canonicalize().with_context(|| format!("--checkpoint {}", a.checkpoint.display()))?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let (mut client, token) = coordinator_client(&a.remote).await?;
+        let req = orchestrator_worker::auth::request(
+            pb::UpdateRequest { checkpoint_dir: dir.display().to_string(), max_unavailable: a.max_unavailable },
+            std::time::Duration::from_secs(3600),
+            token.as_ref(),
+        );
+        let r = client.update(req).await.map_err(|s| anyhow::anyhow!("update: {}", s.message()))?.into_inner();
+        emit(&if a.remote.json { format!("{}\n", r.json) } else { r.text });
+        Ok(r.ok)
+    })
+}
+
+fn probe_cmd(a: ProbeLoadArgs) -> anyhow::Result<bool> {
+    use orchestrator_proto::v1 as pb;
+    use std::collections::BTreeMap;
+    anyhow::ensure!(a.rate > 0.0 && a.rate <= 1000.0, "--rate must be in (0, 1000]");
+    anyhow::ensure!(a.duration > 0.0 && a.duration <= 86_400.0, "--duration must be in (0, 86400] seconds");
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    runtime.block_on(async {
+        let (client, token) = coordinator_client(&a.remote).await?;
+        let count = (a.rate * a.duration).ceil() as usize;
+        let interval = std::time::Duration::from_secs_f64(1.0 / a.rate);
+        let start = tokio::time::Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..count {
+            tokio::time::sleep_until(start + interval * i as u32).await;
+            let mut client = client.clone();
+            let req = orchestrator_worker::auth::request(
+                pb::RoutedProbeRequest { tokens: a.size.tokens as u32, latents: a.size.latents as u32, seed: a.size.seed },
+                std::time::Duration::from_secs(60),
+                token.as_ref(),
+            );
+            tasks.spawn(async move {
+                let t = std::time::Instant::now();
+                let r = client.routed_probe(req).await;
+                (t.elapsed().as_secs_f64() * 1e3, r.map(|r| r.into_inner()).map_err(|s| s.message().to_string()))
+            });
+        }
+        let mut latencies = Vec::new();
+        let mut by_replica: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        let mut by_version: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        let mut errors = Vec::new();
+        while let Some(joined) = tasks.join_next().await {
+            let (ms, r) = joined?;
+            latencies.push(ms);
+            let (replica, version, ok, err) = match r {
+                Ok(p) => (format!("dp{}", p.replica), p.checkpoint_version, p.ok, p.error),
+                Err(e) => ("-".into(), "-".into(), false, e),
+            };
+            let slot = |m: &mut BTreeMap<String, (u64, u64)>, k: String| {
+                let e = m.entry(k).or_default();
+                if ok { e.0 += 1 } else { e.1 += 1 }
+            };
+            slot(&mut by_replica, replica);
+            slot(&mut by_version, version);
+            if !ok && errors.len() < 10 {
+                errors.push(err);
+            }
+        }
+        latencies.sort_by(f64::total_cmp);
+        let pct = |q: f64| latencies.get(((latencies.len() as f64 * q).ceil() as usize).saturating_sub(1).min(latencies.len().saturating_sub(1))).copied().unwrap_or(0.0);
+        let failed: u64 = by_replica.values().map(|v| v.1).sum();
+        let served: u64 = by_replica.values().map(|v| v.0).sum();
+        let doc = serde_json::json!({
+            "ok": failed == 0, "served": served, "failed": failed,
+            "seconds": start.elapsed().as_secs_f64(),
+            "latency_ms": { "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": latencies.last().copied().unwrap_or(0.0) },
+            "by_replica": by_replica.iter().map(|(k, v)| (k.clone(), serde_json::json!({"served": v.0, "failed": v.1}))).collect::<serde_json::Map<_, _>>(),
+            "by_version": by_version.iter().map(|(k, v)| (k.clone(), serde_json::json!({"served": v.0, "failed": v.1}))).collect::<serde_json::Map<_, _>>(),
+            "errors": errors,
+        });
+        if a.remote.json {
+            emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
+        } else {
+            let mut t = format!("probes: {served} served, {failed} failed in {:.1} s; latency p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms\n", start.elapsed().as_secs_f64(), pct(0.5), pct(0.9), pct(0.99));
+            for (k, v) in &by_replica {
+                t.push_str(&format!("  replica {k}: {} served, {} failed\n", v.0, v.1));
+            }
+            for (k, v) in &by_version {
+                t.push_str(&format!("  version {k}: {} served, {} failed\n", v.0, v.1));
+            }
+            for e in &errors {
+                t.push_str(&format!("  error: {e}\n"));
+            }
+            emit(&t);
+        }
+        Ok(failed == 0)
+    })
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     let cli = Cli::parse();
@@ -380,6 +522,8 @@ fn main() -> ExitCode {
         Command::Launch(a) => launch_cmd(a),
         Command::Report(a) => remote_cmd(a, false),
         Command::Shutdown(a) => remote_cmd(a, true),
+        Command::Update(a) => update_cmd(a),
+        Command::Probe(a) => probe_cmd(a),
         Command::WorkerServe(a) => a.run().map(|()| true),
         Command::Checkpoint(CheckpointCommand::Synth(a)) => synth(a),
         Command::Checkpoint(CheckpointCommand::Inspect(a)) => inspect_cmd(a),

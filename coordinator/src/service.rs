@@ -17,6 +17,8 @@ pub struct CoordinatorService {
     /// The running session, once the cluster is up (`report` needs it).
     pub session: Arc<tokio::sync::Mutex<Option<Session>>>,
     pub shutdown: Arc<Notify>,
+    /// Updates run one at a time.
+    pub update_lock: tokio::sync::Mutex<()>,
 }
 
 #[tonic::async_trait]
@@ -57,6 +59,68 @@ impl Coordinator for CoordinatorService {
         let report = session.check(probe).await;
         let json = serde_json::to_string_pretty(&report).map_err(|e| Status::internal(e.to_string()))?;
         Ok(Response::new(pb::ClusterReport { ok: report.ok, json, text: report.render() }))
+    }
+
+    async fn update(&self, request: Request<pb::UpdateRequest>) -> Result<Response<pb::UpdateResponse>, Status> {
+        let r = request.into_inner();
+        if r.checkpoint_dir.is_empty() {
+            return Err(Status::invalid_argument("update: checkpoint_dir is empty"));
+        }
+        let (cluster, rotation, config, probe) = {
+            let guard = self.session.lock().await;
+            let s = guard.as_ref().ok_or_else(|| Status::unavailable("the cluster is not up yet"))?;
+            (
+                s.cluster.clone(),
+                s.rotation.clone(),
+                s.config.clone(),
+                s.probe.unwrap_or(orchestrator_worker::probe::ProbeSpec { tokens: 2, latents: 16, seed: 0 }),
+            )
+        };
+        let _one_update_at_a_time = self.update_lock.lock().await;
+        let outcome = crate::update::rolling_update(&cluster, &rotation, &config, std::path::Path::new(&r.checkpoint_dir), probe).await;
+        // The consistency report after the update (versions included).
+        let report = {
+            let mut guard = self.session.lock().await;
+            match guard.as_mut() {
+                Some(s) => {
+                    if outcome.ok {
+                        s.source_desc = format!("checkpoint {} (rolled out)", outcome.checkpoint);
+                    }
+                    Some(s.check(true).await)
+                }
+                None => None,
+            }
+        };
+        let ok = outcome.ok && report.as_ref().is_some_and(|r| r.ok);
+        let mut text = String::new();
+        for step in &outcome.steps {
+            text.push_str(step);
+            text.push('\n');
+        }
+        text.push_str(&format!("update {} in {:.2} s\n", if outcome.ok { "done" } else { "FAILED" }, outcome.seconds));
+        if let Some(r) = &report {
+            text.push_str(&r.render());
+        }
+        let json = serde_json::json!({ "ok": ok, "update": outcome, "report": report });
+        Ok(Response::new(pb::UpdateResponse {
+            ok,
+            json: serde_json::to_string_pretty(&json).map_err(|e| Status::internal(e.to_string()))?,
+            text,
+        }))
+    }
+
+    async fn routed_probe(&self, request: Request<pb::RoutedProbeRequest>) -> Result<Response<pb::RoutedProbeResult>, Status> {
+        let r = request.into_inner();
+        if r.tokens == 0 || r.latents == 0 {
+            return Err(Status::invalid_argument("probe: tokens and latents must be at least 1"));
+        }
+        let (cluster, rotation) = {
+            let guard = self.session.lock().await;
+            let s = guard.as_ref().ok_or_else(|| Status::unavailable("the cluster is not up yet"))?;
+            (s.cluster.clone(), s.rotation.clone())
+        };
+        let spec = orchestrator_worker::probe::ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
+        Ok(Response::new(crate::update::routed_probe(&cluster, &rotation, spec).await))
     }
 
     async fn shutdown(&self, _request: Request<pb::ShutdownRequest>) -> Result<Response<pb::ShutdownResponse>, Status> {

@@ -45,6 +45,8 @@ struct Plan {
 struct State {
     plan: Option<Plan>,
     weights: Option<RankWeights<CpuBackend>>,
+    /// A staged version (rolling update): loaded beside the active weights, swapped in by Commit.
+    shadow: Option<(RankWeights<CpuBackend>, Arc<LoadSource>)>,
     listener: Option<RingListener>,
     ring: Option<(u64, TcpRing)>,
     load_seconds: f64,
@@ -85,6 +87,17 @@ pub fn source_from(pb_source: Option<&pb::LoadSource>, roots: &AllowedRoots) -> 
     }
 }
 
+/// The active weights and their source, or the staged ones.
+fn weights_of(st: &State, shadow: bool) -> Result<(&RankWeights<CpuBackend>, &LoadSource), Status> {
+    if shadow {
+        let (w, s) = st.shadow.as_ref().ok_or_else(|| Status::failed_precondition("nothing staged"))?;
+        Ok((w, s))
+    } else {
+        let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+        Ok((st.weights.as_ref().ok_or_else(|| Status::failed_precondition("not loaded"))?, &plan.source))
+    }
+}
+
 type ProgressStream = Pin<Box<dyn Stream<Item = Result<pb::LoadProgress, Status>> + Send>>;
 
 impl WorkerService {
@@ -93,12 +106,23 @@ impl WorkerService {
     }
 
     /// Runs a load or reload on a blocking thread, streaming per-layer progress.
-    fn load_stream(&self, reload_from: Option<LoadSource>) -> Result<ProgressStream, Status> {
+    /// `shadow`: load `reload_from` into fresh shadow buffers beside the active weights
+    /// (a staged update) instead of into the active ones.
+    fn load_stream(&self, reload_from: Option<LoadSource>, shadow: bool) -> Result<ProgressStream, Status> {
         let (source, tp, rank, rule, fault, total, dump_dir) = {
             let st = lock(&self.state);
             let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned yet (call Assign first)"))?;
             if reload_from.is_some() && st.weights.is_none() {
                 return Err(Status::failed_precondition("nothing loaded to reload into"));
+            }
+            if let Some(new) = &reload_from {
+                let (old, new) = (plan.source.config(), new.config());
+                if old.geometry != new.geometry || old.format != new.format {
+                    return Err(Status::failed_precondition(format!(
+                        "the new version has geometry {:?} / {:?}, the running plan {:?} / {:?}",
+                        new.geometry, new.format, old.geometry, old.format
+                    )));
+                }
             }
             (
                 plan.source.clone(),
@@ -136,6 +160,9 @@ impl WorkerService {
             let result = (|| -> Result<RankWeights<CpuBackend>, Status> {
                 let loader =
                     RankLoader::new(&backend, source.config(), tp, rank, rule).map_err(|e| Status::invalid_argument(e.to_string()))?;
+                if shadow {
+                    return loader.load_with_progress(&source, &progress).map_err(|e| Status::internal(format!("stage: {e:#}")));
+                }
                 let previous = lock(&state).weights.take();
                 let mut w = match previous {
                     Some(old) => loader.reload_with_progress(old, &source, &progress),
@@ -161,10 +188,14 @@ impl WorkerService {
             match result {
                 Ok(w) => {
                     let mut st = lock(&state);
-                    st.weights = Some(w);
-                    st.load_seconds = seconds;
-                    if let Some(p) = st.plan.as_mut() {
-                        p.source = source;
+                    if shadow {
+                        st.shadow = Some((w, source));
+                    } else {
+                        st.weights = Some(w);
+                        st.load_seconds = seconds;
+                        if let Some(p) = st.plan.as_mut() {
+                            p.source = source;
+                        }
                     }
                     drop(st);
                     let _ = tx.blocking_send(Ok(pb::LoadProgress {
@@ -221,7 +252,7 @@ impl Worker for WorkerService {
     type LoadStream = ProgressStream;
 
     async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<Self::LoadStream>, Status> {
-        self.load_stream(None).map(Response::new)
+        self.load_stream(None, false).map(Response::new)
     }
 
     type ReloadStream = ProgressStream;
@@ -246,17 +277,45 @@ impl Worker for WorkerService {
                 })
             }
         };
-        self.load_stream(source).map(Response::new)
+        self.load_stream(source, false).map(Response::new)
     }
 
-    async fn report(&self, _request: Request<pb::ReportRequest>) -> Result<Response<pb::RankReport>, Status> {
+    type StageStream = ProgressStream;
+
+    async fn stage(&self, request: Request<pb::StageRequest>) -> Result<Response<Self::StageStream>, Status> {
+        let s = request.into_inner().source.ok_or_else(|| Status::invalid_argument("stage: source is missing"))?;
+        let roots = self.roots.clone();
+        let source =
+            tokio::task::spawn_blocking(move || source_from(Some(&s), &roots)).await.map_err(|e| Status::internal(e.to_string()))??;
+        self.load_stream(Some(source), true).map(Response::new)
+    }
+
+    async fn commit(&self, _request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
+        let mut st = lock(&self.state);
+        let (mut w, source) = st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
+        w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
+        let version = source.version();
+        if let Some(p) = st.plan.as_mut() {
+            p.source = source;
+        }
+        st.weights = Some(w);
+        Ok(Response::new(pb::CommitResponse { checkpoint_version: version, generation: st.weights.as_ref().map_or(0, |w| w.generation) }))
+    }
+
+    async fn abort(&self, _request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
+        lock(&self.state).shadow = None;
+        Ok(Response::new(pb::AbortResponse {}))
+    }
+
+    async fn report(&self, request: Request<pb::ReportRequest>) -> Result<Response<pb::RankReport>, Status> {
+        let shadow = request.into_inner().shadow;
         let state = self.state.clone();
         let host = self.host.clone();
         tokio::task::spawn_blocking(move || {
             let st = lock(&state);
             let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
-            let w = st.weights.as_ref().ok_or_else(|| Status::failed_precondition("not loaded"))?;
-            let rt = check_rank(&CpuBackend, w, &plan.source);
+            let (w, source) = weights_of(&st, shadow)?;
+            let rt = check_rank(&CpuBackend, w, source);
             let id = &w.identity;
             let canonical = id.canonical_text();
             let geometry_text: String = canonical.lines().filter(|l| !l.starts_with("rank=")).map(|l| format!("{l}\n")).collect();
@@ -270,7 +329,7 @@ impl Worker for WorkerService {
                 pid: std::process::id(),
                 load_format: w.load_format.to_string(),
                 source: w.source.clone(),
-                checkpoint_version: plan.source.version(),
+                checkpoint_version: source.version(),
                 identity: Some(pb::LayoutIdentity {
                     layout_version: id.layout_version,
                     digest: id.digest.clone(),
@@ -311,15 +370,15 @@ impl Worker for WorkerService {
             let mut st = lock(&state);
             let st = &mut *st;
             let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
-            let w = st.weights.as_ref().ok_or_else(|| Status::failed_precondition("not loaded"))?;
+            let (w, source) = weights_of(st, r.shadow)?;
             let spec = ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
             if spec.tokens == 0 || spec.latents == 0 {
                 return Err(Status::invalid_argument("probe: tokens and latents must be at least 1"));
             }
             let backend = CpuBackend;
-            let loader = RankLoader::new(&backend, plan.source.config(), plan.tp_size, plan.tp_rank, plan.rule)
+            let loader = RankLoader::new(&backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule)
                 .map_err(|e| Status::internal(e.to_string()))?;
-            let p = probe_rank(&loader, w, &plan.source, spec, plan.rule).map_err(|e| Status::internal(format!("probe: {e}")))?;
+            let p = probe_rank(&loader, w, source, spec, plan.rule).map_err(|e| Status::internal(format!("probe: {e}")))?;
             // The TP all-reduce of y_partial, in rank order.
             let started = Instant::now();
             let mut y = p.y_partial.clone();

@@ -1,0 +1,219 @@
+//! Rolling weight updates (`orchestrator update`) and the probe rotation they keep serving.
+//!
+//! One replica (TP group) at a time: take it out of probe rotation (when another replica can
+//! serve), stage the new version on every rank into shadow buffers through the same loader
+//! pipeline, verify it (round trips, probes against the reference, the group agreeing on `y`,
+//! and the same `y` as replicas already updated), swap every rank of the group at one barrier,
+//! put it back. A failure aborts the staged version: the replica keeps its old one, and the
+//! update stops with the reason.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use orchestrator_model::inspect::inspect;
+use orchestrator_model::{Checkpoint, ModelConfig};
+use orchestrator_proto::v1 as pb;
+use orchestrator_worker::probe::ProbeSpec;
+use serde::Serialize;
+
+use crate::cluster::Cluster;
+
+/// Which replicas serve probes, and which version each holds.
+pub struct Rotation {
+    serving: Mutex<Vec<bool>>,
+    versions: Mutex<Vec<String>>,
+    next: AtomicUsize,
+}
+
+impl Rotation {
+    pub fn new(versions: Vec<String>) -> Self {
+        Self { serving: Mutex::new(vec![true; versions.len()]), versions: Mutex::new(versions), next: AtomicUsize::new(0) }
+    }
+
+    fn set(&self, replica: u32, serving: bool) {
+        self.serving.lock().unwrap_or_else(|p| p.into_inner())[replica as usize] = serving;
+    }
+
+    pub fn version(&self, replica: u32) -> String {
+        self.versions.lock().unwrap_or_else(|p| p.into_inner())[replica as usize].clone()
+    }
+
+    /// The next replica in rotation (round robin), if any serves.
+    pub fn pick(&self) -> Option<u32> {
+        let serving = self.serving.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let n = serving.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        (0..n).map(|i| (start + i) % n).find(|&r| serving[r]).map(|r| r as u32)
+    }
+}
+
+/// One probe through the rotation.
+pub async fn routed_probe(cluster: &Cluster, rotation: &Rotation, spec: ProbeSpec) -> pb::RoutedProbeResult {
+    let Some(replica) = rotation.pick() else {
+        return pb::RoutedProbeResult { ok: false, replica: 0, checkpoint_version: String::new(), error: "no replica in rotation".into() };
+    };
+    let version = rotation.version(replica);
+    let result = cluster.probe_in(Some(replica), (spec.tokens as u32, spec.latents as u32, spec.seed), false).await;
+    let error = match result {
+        Err(failures) => Some(failures.into_iter().map(|(_, f)| f).collect::<Vec<_>>().join("; ")),
+        Ok(results) => {
+            let mut errors: Vec<String> = results.values().filter_map(|r| r.as_ref().err().cloned()).collect();
+            let probes: Vec<&pb::ProbeResult> = results.values().filter_map(|r| r.as_ref().ok()).collect();
+            if probes.iter().any(|p| !p.ok) {
+                errors.push("a rank's probe is out of tolerance".into());
+            }
+            if probes.windows(2).any(|w| w[0].y_digest != w[1].y_digest) {
+                errors.push("the group's ranks disagree on y".into());
+            }
+            (!errors.is_empty()).then(|| errors.join("; "))
+        }
+    };
+    pb::RoutedProbeResult { ok: error.is_none(), replica, checkpoint_version: version, error: error.unwrap_or_default() }
+}
+
+/// What an update did, step by step.
+#[derive(Clone, Debug, Serialize)]
+pub struct UpdateOutcome {
+    pub ok: bool,
+    pub checkpoint: String,
+    pub new_version: String,
+    pub steps: Vec<String>,
+    /// Replica -> version after the update.
+    pub versions: BTreeMap<u32, String>,
+    pub seconds: f64,
+}
+
+/// Validates the new checkpoint against the running plan before any replica is touched.
+fn validate(dir: &Path, running: &ModelConfig) -> Result<String, String> {
+    let ck = Checkpoint::open(dir).map_err(|e| format!("new checkpoint {}: {e}", dir.display()))?;
+    if ck.config.geometry != running.geometry || ck.config.format != running.format {
+        return Err(format!(
+            "new checkpoint {} has geometry {:?} / {:?}, the running plan {:?} / {:?}",
+            dir.display(),
+            ck.config.geometry,
+            ck.config.format,
+            running.geometry,
+            running.format
+        ));
+    }
+    let report = inspect(&ck);
+    if !report.valid {
+        return Err(format!("new checkpoint {} is invalid: {}", dir.display(), report.problems.join("; ")));
+    }
+    Ok(orchestrator_worker::LoadSource::Safetensors(ck).version())
+}
+
+/// Rolls `dir` across every replica.
+pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, dir: &Path, probe: ProbeSpec) -> UpdateOutcome {
+    let start = Instant::now();
+    let mut steps = Vec::new();
+    let new_version = match tokio::task::spawn_blocking({
+        let (dir, running) = (dir.to_path_buf(), running.clone());
+        move || validate(&dir, &running)
+    })
+    .await
+    {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            return finish(false, dir, String::new(), vec![format!("refused before touching any replica: {e}")], rotation, cluster, start);
+        }
+        Err(e) => return finish(false, dir, String::new(), vec![format!("validation task failed: {e}")], rotation, cluster, start),
+    };
+    steps.push(format!("validated {} (version {new_version}) against the running plan", dir.display()));
+    let source = pb::LoadSource { kind: Some(pb::load_source::Kind::CheckpointDir(dir.display().to_string())) };
+    let mut reference_y: Option<String> = None;
+    for dp in 0..cluster.dp {
+        let out_of_rotation = cluster.dp > 1;
+        if out_of_rotation {
+            rotation.set(dp, false);
+        }
+        let result = update_replica(cluster, dp, &source, &new_version, probe, &mut reference_y).await;
+        match result {
+            Ok(detail) => {
+                rotation.versions.lock().unwrap_or_else(|p| p.into_inner())[dp as usize] = new_version.clone();
+                rotation.set(dp, true);
+                steps.push(format!("replica dp{dp}: {detail}; swapped to {new_version}"));
+            }
+            Err(e) => {
+                cluster.abort(dp).await;
+                rotation.set(dp, true);
+                steps.push(format!("replica dp{dp}: FAILED, kept version {}: {e}", rotation.version(dp)));
+                return finish(false, dir, new_version, steps, rotation, cluster, start);
+            }
+        }
+    }
+    finish(true, dir, new_version, steps, rotation, cluster, start)
+}
+
+fn finish(
+    ok: bool,
+    dir: &Path,
+    new_version: String,
+    steps: Vec<String>,
+    rotation: &Rotation,
+    cluster: &Cluster,
+    start: Instant,
+) -> UpdateOutcome {
+    let versions = (0..cluster.dp).map(|dp| (dp, rotation.version(dp))).collect();
+    UpdateOutcome { ok, checkpoint: dir.display().to_string(), new_version, steps, versions, seconds: start.elapsed().as_secs_f64() }
+}
+
+/// Stage, verify and commit one replica.
+async fn update_replica(
+    cluster: &Cluster,
+    dp: u32,
+    source: &pb::LoadSource,
+    new_version: &str,
+    probe: ProbeSpec,
+    reference_y: &mut Option<String>,
+) -> Result<String, String> {
+    let failed = |f: crate::cluster::Failures| f.into_iter().map(|(_, e)| e).collect::<Vec<_>>().join("; ");
+    let t = Instant::now();
+    let staged = cluster.stage(dp, source).await.map_err(failed)?;
+    if let Some(e) = staged.values().find_map(|r| r.as_ref().err()) {
+        return Err(e.clone());
+    }
+    let stage_s = t.elapsed().as_secs_f64();
+    // Verify the staged version: round trips and versions, then probes and agreement on y.
+    let reports = cluster.reports_in(Some(dp), true).await.map_err(failed)?;
+    for r in reports.values() {
+        let r = r.as_ref().map_err(Clone::clone)?;
+        if !r.round_trip_ok {
+            return Err(format!("rank dp{dp}/tp{}: staged round trip failed: {}", r.tp_rank, r.round_trip_failures.join("; ")));
+        }
+        if r.checkpoint_version != new_version {
+            return Err(format!("rank dp{dp}/tp{} staged version {}, expected {new_version}", r.tp_rank, r.checkpoint_version));
+        }
+    }
+    let probes = cluster.probe_in(Some(dp), (probe.tokens as u32, probe.latents as u32, probe.seed), true).await.map_err(failed)?;
+    let mut ys = Vec::new();
+    for (id, p) in &probes {
+        let p = p.as_ref().map_err(Clone::clone)?;
+        if !p.ok {
+            return Err(format!(
+                "worker {id}: staged probe out of tolerance (q differs in {} values, z err {:.3e})",
+                p.q_mismatches, p.z_max_abs_err
+            ));
+        }
+        ys.push(p.y_digest.clone());
+    }
+    if ys.windows(2).any(|w| w[0] != w[1]) {
+        return Err(format!("the ranks of dp{dp} disagree on the staged y: {ys:?}"));
+    }
+    let y = ys.first().cloned().unwrap_or_default();
+    if let Some(r) = reference_y.as_ref()
+        && *r != y
+    {
+        return Err(format!("staged y {y} differs from the already updated replicas' {r}"));
+    }
+    *reference_y = Some(y.clone());
+    // The barrier: every rank of the group swaps under the group lock.
+    let committed = cluster.commit(dp).await.map_err(failed)?;
+    if let Some(e) = committed.values().find_map(|r| r.as_ref().err()) {
+        return Err(format!("commit: {e}"));
+    }
+    Ok(format!("staged in {stage_s:.2} s, verified (round trips, probes, y {y})"))
+}

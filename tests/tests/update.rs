@@ -1,0 +1,195 @@
+//! End to end: rolling weight updates on a `--serve` cluster with a probe load running
+//! throughout, refused updates, and access control.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use orchestrator_e2e::{bin, run, stderr, stdout};
+use serde_json::Value;
+
+/// A served cluster, killed (with its workers) if the test fails midway.
+struct Served {
+    child: Child,
+    coordinator: String,
+    token: String,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = run("orchestrator", &["shutdown", "--coordinator", &self.coordinator, "--token-file", &self.token]);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Served {
+    fn start(args: &[&str]) -> Self {
+        let mut full = vec!["launch", "--serve", "--probe", "2,16"];
+        full.extend_from_slice(args);
+        let mut child = Command::new(bin("orchestrator")).args(&full).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut announced = None;
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            if let Some(rest) = line.strip_prefix("serving: `orchestrator report --coordinator ") {
+                announced = Some(rest.split('`').next().unwrap().to_string());
+                break;
+            }
+        }
+        std::thread::spawn(move || for _ in lines {});
+        let announced = announced.expect("the cluster came up");
+        let (coordinator, token) = announced.split_once(" --token-file ").unwrap();
+        Self { child, coordinator: coordinator.into(), token: token.into() }
+    }
+
+    fn cmd(&self, command: &str, extra: &[&str]) -> std::process::Output {
+        let mut args = vec![command, "--coordinator", self.coordinator.as_str(), "--token-file", self.token.as_str()];
+        args.extend_from_slice(extra);
+        run("orchestrator", &args)
+    }
+
+    fn report(&self) -> Value {
+        let o = self.cmd("report", &["--json", "--no-probe"]);
+        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)))
+    }
+
+    /// Starts a probe load in the background.
+    fn probe_load(&self, rate: &str, seconds: &str) -> Child {
+        Command::new(bin("orchestrator"))
+            .args([
+                "probe",
+                "--coordinator",
+                &self.coordinator,
+                "--token-file",
+                &self.token,
+                "--rate",
+                rate,
+                "--duration",
+                seconds,
+                "--json",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+}
+
+fn synth(dir: &Path, seed: &str) {
+    let o =
+        run("orchestrator", &["checkpoint", "synth", "--out", dir.to_str().unwrap(), "--preset", "tiny", "--layers", "2", "--seed", seed]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+fn versions(report: &Value) -> Vec<String> {
+    report["ranks"].as_array().unwrap().iter().map(|r| r["checkpoint_version"].as_str().unwrap().to_string()).collect()
+}
+
+fn digests(report: &Value) -> Vec<(u64, u64, String)> {
+    report["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["dp"].as_u64().unwrap(), r["tp"].as_u64().unwrap(), r["kernel_rank_digest"].as_str().unwrap().to_string()))
+        .collect()
+}
+
+fn rolling_update_with_probes(dp: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("A"), tmp.path().join("B"));
+    synth(&a, "1");
+    synth(&b, "2");
+    let root = tmp.path().to_str().unwrap();
+    let cluster = Served::start(&["--tp", "2", "--dp", dp, "--checkpoint", a.to_str().unwrap(), "--allow-root", root]);
+    let before = cluster.report();
+    let load = cluster.probe_load("20", "4");
+    std::thread::sleep(Duration::from_millis(300));
+    let o = cluster.cmd("update", &["--checkpoint", b.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+    let update: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(update["ok"], true);
+    let probes = load.wait_with_output().unwrap();
+    let probes: Value =
+        serde_json::from_slice(&probes.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&probes.stdout)));
+    assert_eq!(probes["failed"], 0, "probes failed during the update: {probes}");
+    assert!(probes["served"].as_u64().unwrap() >= 40, "{probes}");
+    // Every rank on B, with the digests of a fresh launch on B.
+    let after = cluster.report();
+    let new_version = update["update"]["new_version"].as_str().unwrap();
+    assert!(versions(&after).iter().all(|v| v == new_version), "{after}");
+    assert_ne!(versions(&before), versions(&after));
+    let fresh = run("orchestrator", &["launch", "--json", "--no-probe", "--tp", "2", "--dp", dp, "--checkpoint", b.to_str().unwrap()]);
+    let fresh: Value = serde_json::from_slice(&fresh.stdout).unwrap();
+    assert_eq!(digests(&after), digests(&fresh));
+    // Probes were served by B during the update.
+    assert!(probes["by_version"][new_version]["served"].as_u64().unwrap() > 0, "{probes}");
+}
+
+#[test]
+fn rolling_update_tp2_dp2_keeps_serving() {
+    rolling_update_with_probes("2");
+}
+
+#[test]
+fn shadow_swap_with_one_replica_keeps_serving() {
+    rolling_update_with_probes("1");
+}
+
+/// A truncated shard, a NaN scale, a wrong shape, a different geometry, a checkpoint outside
+/// the allowed roots, or no token: refused before any swap; every rank stays on A.
+#[test]
+fn bad_updates_are_refused_and_change_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let a = root.join("A");
+    synth(&a, "1");
+    let cluster = Served::start(&["--tp", "2", "--dp", "2", "--checkpoint", a.to_str().unwrap(), "--allow-root", root.to_str().unwrap()]);
+    let before = cluster.report();
+
+    let damaged = |name: &str, damage: &dyn Fn(&Path)| {
+        let dir = root.join(name);
+        synth(&dir, "2");
+        damage(&dir);
+        dir
+    };
+    let shard = |dir: &Path| dir.join("model-00001-of-00001.safetensors");
+    let truncated = damaged("truncated", &|d| {
+        let f = shard(d);
+        let len = std::fs::metadata(&f).unwrap().len();
+        std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 10).unwrap();
+    });
+    let nan_scale = damaged("nan-scale", &|d| {
+        let f = shard(d);
+        let mut bytes = std::fs::read(&f).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let start = header["layers.1.attn.wq_b.scale"]["data_offsets"][0].as_u64().unwrap() as usize;
+        bytes[8 + n + start + 3] = 0xFF;
+        std::fs::write(&f, bytes).unwrap();
+    });
+    let other_geometry = root.join("other-geometry");
+    let o = run("orchestrator", &["checkpoint", "synth", "--out", other_geometry.to_str().unwrap(), "--preset", "tiny", "--layers", "1"]);
+    assert!(o.status.success());
+    let outside_dir = tmp.path().join("outside");
+    synth(&outside_dir, "2");
+
+    for (what, dir, expect) in [
+        ("truncated shard", &truncated, "truncated"),
+        ("NaN scale", &nan_scale, "NaN scale"),
+        ("other geometry", &other_geometry, "geometry"),
+        ("outside the allowed roots", &outside_dir, "outside the allowed roots"),
+    ] {
+        let o = cluster.cmd("update", &["--checkpoint", dir.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(1), "{what}: {}\n{}", stdout(&o), stderr(&o));
+        assert!(stdout(&o).contains(expect), "{what}: {}", stdout(&o));
+        assert_eq!(versions(&cluster.report()), versions(&before), "{what}: nothing may change");
+        assert_eq!(digests(&cluster.report()), digests(&before), "{what}");
+    }
+    // Without the token.
+    let o = run("orchestrator", &["update", "--coordinator", &cluster.coordinator, "--checkpoint", a.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("missing or wrong token"), "{}", stderr(&o));
+    assert_eq!(digests(&cluster.report()), digests(&before));
+}
