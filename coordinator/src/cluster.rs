@@ -143,13 +143,13 @@ impl Cluster {
         Ok(Self { tp, dp, workers, registry, token, group_locks })
     }
 
-    /// The first worker that exited or stopped answering, checked every 100 ms; never returns
-    /// while all are healthy.
-    pub async fn watchdog(&self) -> Failures {
+    /// The first worker (of replica `group`, or of all) that exited or stopped answering,
+    /// checked every 100 ms; never returns while they are healthy.
+    pub async fn watchdog(&self, group: Option<u32>) -> Failures {
         loop {
             tokio::time::sleep(Duration::from_millis(100)).await;
             let mut failures = Vec::new();
-            for w in &self.workers {
+            for w in self.workers.iter().filter(|w| group.is_none_or(|g| w.dp == g)) {
                 if let Ok(Some(status)) = w.child.lock().await.try_wait() {
                     failures.push((w.id, format!("{} exited ({status})", w.label())));
                     continue;
@@ -177,11 +177,11 @@ impl Cluster {
         }
     }
 
-    /// Runs `fut` unless a worker fails first.
-    pub async fn guarded<T>(&self, fut: impl Future<Output = T>) -> Result<T, Failures> {
+    /// Runs `fut` unless a worker (of `group`, or any) fails first.
+    pub async fn guarded<T>(&self, group: Option<u32>, fut: impl Future<Output = T>) -> Result<T, Failures> {
         tokio::select! {
             out = fut => Ok(out),
-            failures = self.watchdog() => Err(failures),
+            failures = self.watchdog(group) => Err(failures),
         }
     }
 
@@ -243,7 +243,7 @@ impl Cluster {
             let fut = op(w, client);
             set.spawn(async move { (id, fut.await) });
         }
-        self.guarded(async move {
+        self.guarded(group, async move {
             let mut out = BTreeMap::new();
             while let Some(joined) = set.join_next().await {
                 if let Ok((id, r)) = joined {
@@ -462,6 +462,19 @@ impl Cluster {
                 let _ = child.kill().await;
             }
         }
+    }
+
+    /// The ranks of replica `dp` whose process is gone, each with how it ended.
+    pub async fn dead_in(&self, dp: u32) -> Vec<String> {
+        let mut dead = Vec::new();
+        for w in self.workers.iter().filter(|w| w.dp == dp) {
+            match w.child.lock().await.try_wait() {
+                Ok(None) => {}
+                Ok(Some(status)) => dead.push(format!("{} exited ({status})", w.label())),
+                Err(e) => dead.push(format!("{}: {e}", w.label())),
+            }
+        }
+        dead
     }
 
     /// Kills every worker at once (after a failure).

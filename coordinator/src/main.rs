@@ -91,7 +91,7 @@ struct LaunchArgs {
     #[arg(long, value_enum)]
     verify: Option<Verify>,
     /// Debugging: make worker RANK (0..tp*dp, dp-major) reproduce a bug: skip-permute,
-    /// double-permute, stale-reload, crash-during-load.
+    /// double-permute, stale-reload, crash-during-load, crash-during-stage.
     #[arg(long, value_name = "RANK:KIND")]
     inject_fault: Option<String>,
     /// Every worker writes its kernel-visible tensors to DIR/dp{D}/rank{R}.safetensors.
@@ -292,8 +292,11 @@ fn parse_fault(s: &str, workers: u32) -> anyhow::Result<(u32, orchestrator_proto
         "double-permute" => Fault::DoublePermute,
         "stale-reload" => Fault::StaleReload,
         "crash-during-load" => Fault::CrashDuringLoad,
+        "crash-during-stage" => Fault::CrashDuringStage,
         other => {
-            anyhow::bail!("--inject-fault `{s}`: unknown kind `{other}` (skip-permute, double-permute, stale-reload, crash-during-load)")
+            anyhow::bail!(
+                "--inject-fault `{s}`: unknown kind `{other}` (skip-permute, double-permute, stale-reload, crash-during-load, crash-during-stage)"
+            )
         }
     };
     Ok((rank, kind))

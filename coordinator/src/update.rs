@@ -139,8 +139,11 @@ pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &Mo
             }
             Err(e) => {
                 cluster.abort(dp).await;
-                rotation.set(dp, true);
-                steps.push(format!("replica dp{dp}: FAILED, kept version {}: {e}", rotation.version(dp)));
+                // A replica with a dead rank cannot serve: it stays out of rotation.
+                let dead = cluster.dead_in(dp).await;
+                rotation.set(dp, dead.is_empty());
+                let down = if dead.is_empty() { String::new() } else { format!(" ({}: out of rotation)", dead.join(", ")) };
+                steps.push(format!("replica dp{dp}: FAILED, kept version {}{down}: {e}", rotation.version(dp)));
                 return finish(false, dir, new_version, steps, rotation, cluster, start);
             }
         }

@@ -193,3 +193,48 @@ fn bad_updates_are_refused_and_change_nothing() {
     assert!(stderr(&o).contains("missing or wrong token"), "{}", stderr(&o));
     assert_eq!(digests(&cluster.report()), digests(&before));
 }
+
+/// A worker killed in the middle of staging: its group keeps version A (the other rank aborts
+/// its staged copy), the update reports the failure by rank, and the other replica keeps
+/// serving (on B).
+#[test]
+fn a_worker_dying_mid_stage_leaves_its_group_on_the_old_version() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("A"), tmp.path().join("B"));
+    synth(&a, "1");
+    synth(&b, "2");
+    let root = tmp.path().to_str().unwrap();
+    let cluster = Served::start(&[
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--checkpoint",
+        a.to_str().unwrap(),
+        "--allow-root",
+        root,
+        "--inject-fault",
+        "3:crash-during-stage",
+    ]);
+    let before = cluster.report();
+    let version_a = versions(&before)[0].clone();
+    let o = cluster.cmd("update", &["--checkpoint", b.to_str().unwrap(), "--json"]);
+    assert_eq!(o.status.code(), Some(1), "{}\n{}", stdout(&o), stderr(&o));
+    let update: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let steps: Vec<&str> = update["update"]["steps"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
+    let failed = steps.iter().find(|s| s.starts_with("replica dp1: FAILED")).unwrap_or_else(|| panic!("{steps:?}"));
+    assert!(failed.contains("rank dp1/tp1") && failed.contains("exited") && failed.contains(&version_a), "{failed}");
+    let version_b = update["update"]["new_version"].as_str().unwrap();
+    assert_eq!(update["update"]["versions"]["0"], version_b);
+    assert_eq!(update["update"]["versions"]["1"], version_a.as_str());
+    // The surviving rank of dp1 still holds A, never a mix with B.
+    let after = cluster.report();
+    let dp1_tp0 = after["ranks"].as_array().unwrap().iter().find(|r| r["dp"] == 1 && r["tp"] == 0).unwrap();
+    assert_eq!(dp1_tp0["checkpoint_version"], version_a.as_str(), "{after}");
+    // The rest keep serving: every probe goes to dp0, on B.
+    let probes = cluster.probe_load("20", "1").wait_with_output().unwrap();
+    let probes: Value = serde_json::from_slice(&probes.stdout).unwrap();
+    assert_eq!(probes["failed"], 0, "{probes}");
+    assert_eq!(probes["by_replica"]["dp0"]["served"].as_u64().unwrap(), probes["served"].as_u64().unwrap(), "{probes}");
+    assert!(probes["by_version"][version_b]["served"].as_u64().unwrap() > 0, "{probes}");
+}

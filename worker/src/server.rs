@@ -145,7 +145,7 @@ impl WorkerService {
             let done = std::sync::atomic::AtomicUsize::new(0);
             let progress = |_layer: usize| {
                 let n = done.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-                if fault == pb::Fault::CrashDuringLoad {
+                if fault == pb::Fault::CrashDuringLoad || (shadow && fault == pb::Fault::CrashDuringStage) {
                     eprintln!("worker rank {rank}: injected fault crash-during-load: exiting mid-load");
                     std::process::exit(101);
                 }
