@@ -360,6 +360,7 @@ impl Cluster {
         group: Option<u32>,
         (tokens, latents, seed): (u32, u32, u64),
         shadow: bool,
+        skip_reference: bool,
     ) -> Result<BTreeMap<u32, Result<pb::ProbeResult, String>>, Failures> {
         let mut guards = Vec::new();
         for (dp, lock) in self.group_locks.iter().enumerate() {
@@ -371,7 +372,16 @@ impl Cluster {
             (0..self.dp).map(|dp| (dp, self.workers.iter().filter(|w| w.dp == dp).map(|w| w.collective.clone()).collect())).collect();
         self.fan_out_in(group, |w, mut client| {
             let req = orchestrator_worker::auth::request(
-                pb::ProbeRequest { tokens, latents, seed, group: u64::from(w.dp), peers: peers[&w.dp].clone(), timeout_ms: 15_000, shadow },
+                pb::ProbeRequest {
+                    tokens,
+                    latents,
+                    seed,
+                    group: u64::from(w.dp),
+                    peers: peers[&w.dp].clone(),
+                    timeout_ms: 15_000,
+                    shadow,
+                    skip_reference,
+                },
                 PROBE_DEADLINE,
                 Some(&self.token),
             );
@@ -383,7 +393,7 @@ impl Cluster {
 
     /// Runs the probe on every rank's active weights.
     pub async fn probe(&self, tokens: u32, latents: u32, seed: u64) -> Result<BTreeMap<u32, Result<pb::ProbeResult, String>>, Failures> {
-        self.probe_in(None, (tokens, latents, seed), false).await
+        self.probe_in(None, (tokens, latents, seed), false, false).await
     }
 
     /// Every rank's report.

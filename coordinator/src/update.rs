@@ -56,7 +56,7 @@ pub async fn routed_probe(cluster: &Cluster, rotation: &Rotation, spec: ProbeSpe
         return pb::RoutedProbeResult { ok: false, replica: 0, checkpoint_version: String::new(), error: "no replica in rotation".into() };
     };
     let version = rotation.version(replica);
-    let result = cluster.probe_in(Some(replica), (spec.tokens as u32, spec.latents as u32, spec.seed), false).await;
+    let result = cluster.probe_in(Some(replica), (spec.tokens as u32, spec.latents as u32, spec.seed), false, true).await;
     let error = match result {
         Err(failures) => Some(failures.into_iter().map(|(_, f)| f).collect::<Vec<_>>().join("; ")),
         Ok(results) => {
@@ -191,7 +191,7 @@ async fn update_replica(
             return Err(format!("rank dp{dp}/tp{} staged version {}, expected {new_version}", r.tp_rank, r.checkpoint_version));
         }
     }
-    let probes = cluster.probe_in(Some(dp), (probe.tokens as u32, probe.latents as u32, probe.seed), true).await.map_err(failed)?;
+    let probes = cluster.probe_in(Some(dp), (probe.tokens as u32, probe.latents as u32, probe.seed), true, false).await.map_err(failed)?;
     let mut ys = Vec::new();
     for (id, p) in &probes {
         let p = p.as_ref().map_err(Clone::clone)?;

@@ -77,6 +77,13 @@ pub trait Backend {
     }
     /// Copies the buffer's bytes to host memory.
     fn download(&self, src: &Self::Buffer, dst: &mut Vec<u8>) -> Result<(), KernelError>;
+    /// The buffer's bytes on the host: borrowed where they already live there (CPU), copied
+    /// otherwise.
+    fn host_bytes<'a>(&self, buf: &'a Self::Buffer) -> Result<std::borrow::Cow<'a, [u8]>, KernelError> {
+        let mut v = Vec::new();
+        self.download(buf, &mut v)?;
+        Ok(std::borrow::Cow::Owned(v))
+    }
     /// Digest of the buffer's bytes in storage order (computed on host bytes, so every backend
     /// agrees with the CPU definition).
     fn digest(&self, buf: &Self::Buffer) -> Result<Digest, KernelError>;
@@ -178,6 +185,9 @@ impl Backend for CpuBackend {
         dst: &mut Vec<u8>,
     ) -> Result<(), KernelError> {
         permutation::gather_runs(host, row_bytes, run_bytes, perm, dst)
+    }
+    fn host_bytes<'a>(&self, buf: &'a Vec<u8>) -> Result<std::borrow::Cow<'a, [u8]>, KernelError> {
+        Ok(std::borrow::Cow::Borrowed(buf))
     }
     fn download(&self, src: &Vec<u8>, dst: &mut Vec<u8>) -> Result<(), KernelError> {
         dst.clear();

@@ -22,7 +22,7 @@ use crate::auth::{AllowedRoots, Token};
 use crate::collective::{Collective, LocalCollective, RingListener, TcpRing};
 use crate::faults::{Fault, inject};
 use crate::loader::{RankLoader, RankWeights};
-use crate::probe::{ProbeSpec, probe_rank};
+use crate::probe::{ProbeSpec, probe_rank_with};
 use crate::roundtrip::check_rank;
 use crate::source::LoadSource;
 
@@ -378,7 +378,8 @@ impl Worker for WorkerService {
             let backend = CpuBackend;
             let loader = RankLoader::new(&backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule)
                 .map_err(|e| Status::internal(e.to_string()))?;
-            let p = probe_rank(&loader, w, source, spec, plan.rule).map_err(|e| Status::internal(format!("probe: {e}")))?;
+            let p = probe_rank_with(&loader, w, source, spec, plan.rule, !r.skip_reference)
+                .map_err(|e| Status::internal(format!("probe: {e}")))?;
             // The TP all-reduce of y_partial, in rank order.
             let started = Instant::now();
             let mut y = p.y_partial.clone();
