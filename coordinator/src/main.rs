@@ -122,7 +122,7 @@ struct UpdateArgs {
     /// The new checkpoint directory (must lie under the workers' allowed roots).
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Replicas updated at once (the update goes one replica at a time, which never exceeds it).
+    /// Replicas updated at once (never all of them while more than one exists).
     #[arg(long, default_value_t = 1)]
     max_unavailable: u32,
 }

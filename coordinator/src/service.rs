@@ -77,7 +77,15 @@ impl Coordinator for CoordinatorService {
             )
         };
         let _one_update_at_a_time = self.update_lock.lock().await;
-        let outcome = crate::update::rolling_update(&cluster, &rotation, &config, std::path::Path::new(&r.checkpoint_dir), probe).await;
+        let outcome = crate::update::rolling_update(
+            &cluster,
+            &rotation,
+            &config,
+            std::path::Path::new(&r.checkpoint_dir),
+            probe,
+            r.max_unavailable.max(1),
+        )
+        .await;
         // The consistency report after the update (versions included).
         let report = {
             let mut guard = self.session.lock().await;

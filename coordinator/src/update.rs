@@ -106,8 +106,17 @@ fn validate(dir: &Path, running: &ModelConfig) -> Result<String, String> {
     Ok(orchestrator_worker::LoadSource::Safetensors(ck).version())
 }
 
-/// Rolls `dir` across every replica.
-pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, dir: &Path, probe: ProbeSpec) -> UpdateOutcome {
+/// Rolls `dir` across every replica, at most `max_unavailable` replicas at a time (and never
+/// all of them while more than one exists, so probes keep being served). A batch is staged and
+/// verified on every replica in it before any of them swaps; a failure aborts the whole batch.
+pub async fn rolling_update(
+    cluster: &Cluster,
+    rotation: &Rotation,
+    running: &ModelConfig,
+    dir: &Path,
+    probe: ProbeSpec,
+    max_unavailable: u32,
+) -> UpdateOutcome {
     let start = Instant::now();
     let mut steps = Vec::new();
     let new_version = match tokio::task::spawn_blocking({
@@ -124,26 +133,60 @@ pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &Mo
     };
     steps.push(format!("validated {} (version {new_version}) against the running plan", dir.display()));
     let source = pb::LoadSource { kind: Some(pb::load_source::Kind::CheckpointDir(dir.display().to_string())) };
+    let batch = if cluster.dp == 1 { 1 } else { max_unavailable.clamp(1, cluster.dp - 1) } as usize;
+    let replicas: Vec<u32> = (0..cluster.dp).collect();
     let mut reference_y: Option<String> = None;
-    for dp in 0..cluster.dp {
-        let out_of_rotation = cluster.dp > 1;
-        if out_of_rotation {
-            rotation.set(dp, false);
-        }
-        let result = update_replica(cluster, dp, &source, &new_version, probe, &mut reference_y).await;
-        match result {
-            Ok(detail) => {
-                rotation.versions.lock().unwrap_or_else(|p| p.into_inner())[dp as usize] = new_version.clone();
-                rotation.set(dp, true);
-                steps.push(format!("replica dp{dp}: {detail}; swapped to {new_version}"));
+    for group in replicas.chunks(batch) {
+        if cluster.dp > 1 {
+            for &dp in group {
+                rotation.set(dp, false);
             }
-            Err(e) => {
-                cluster.abort(dp).await;
-                // A replica with a dead rank cannot serve: it stays out of rotation.
-                let dead = cluster.dead_in(dp).await;
-                rotation.set(dp, dead.is_empty());
-                let down = if dead.is_empty() { String::new() } else { format!(" ({}: out of rotation)", dead.join(", ")) };
-                steps.push(format!("replica dp{dp}: FAILED, kept version {}{down}: {e}", rotation.version(dp)));
+        }
+        let staged =
+            futures_util::future::join_all(group.iter().map(|&dp| stage_and_verify(cluster, dp, &source, &new_version, probe))).await;
+        // Every replica of the batch must verify, and all must agree on y with each other and
+        // with the replicas already updated.
+        let mut failure = None;
+        for (&dp, r) in group.iter().zip(&staged) {
+            match r {
+                Err(e) if failure.is_none() => failure = Some((dp, e.clone())),
+                Ok((_, y)) if failure.is_none() => match &reference_y {
+                    Some(r) if r != y => failure = Some((dp, format!("staged y {y} differs from the already verified replicas' {r}"))),
+                    _ => reference_y = Some(y.clone()),
+                },
+                _ => {}
+            }
+        }
+        let commits =
+            if failure.is_none() { futures_util::future::join_all(group.iter().map(|&dp| cluster.commit(dp))).await } else { Vec::new() };
+        for (&dp, c) in group.iter().zip(&commits) {
+            let err = match c {
+                Err(f) => Some(f.iter().map(|(_, e)| e.clone()).collect::<Vec<_>>().join("; ")),
+                Ok(results) => results.values().find_map(|r| r.as_ref().err().cloned()),
+            };
+            if let (Some(e), None) = (err, &failure) {
+                failure = Some((dp, format!("commit: {e}")));
+            }
+        }
+        match failure {
+            None => {
+                for (&dp, r) in group.iter().zip(&staged) {
+                    rotation.versions.lock().unwrap_or_else(|p| p.into_inner())[dp as usize] = new_version.clone();
+                    rotation.set(dp, true);
+                    let detail = r.as_ref().map(|(d, _)| d.as_str()).unwrap_or_default();
+                    steps.push(format!("replica dp{dp}: {detail}; swapped to {new_version}"));
+                }
+            }
+            Some((failed, e)) => {
+                for &dp in group {
+                    cluster.abort(dp).await;
+                    // A replica with a dead rank cannot serve: it stays out of rotation.
+                    let dead = cluster.dead_in(dp).await;
+                    rotation.set(dp, dead.is_empty());
+                    let down = if dead.is_empty() { String::new() } else { format!(" ({}: out of rotation)", dead.join(", ")) };
+                    let why = if dp == failed { e.clone() } else { format!("aborted with its batch (replica dp{failed} failed)") };
+                    steps.push(format!("replica dp{dp}: FAILED, kept version {}{down}: {why}", rotation.version(dp)));
+                }
                 return finish(false, dir, new_version, steps, rotation, cluster, start);
             }
         }
@@ -164,15 +207,14 @@ fn finish(
     UpdateOutcome { ok, checkpoint: dir.display().to_string(), new_version, steps, versions, seconds: start.elapsed().as_secs_f64() }
 }
 
-/// Stage, verify and commit one replica.
-async fn update_replica(
+/// Stages and verifies one replica: a description and the staged `y`.
+async fn stage_and_verify(
     cluster: &Cluster,
     dp: u32,
     source: &pb::LoadSource,
     new_version: &str,
     probe: ProbeSpec,
-    reference_y: &mut Option<String>,
-) -> Result<String, String> {
+) -> Result<(String, String), String> {
     let failed = |f: crate::cluster::Failures| f.into_iter().map(|(_, e)| e).collect::<Vec<_>>().join("; ");
     let t = Instant::now();
     let staged = cluster.stage(dp, source).await.map_err(failed)?;
@@ -207,16 +249,5 @@ async fn update_replica(
         return Err(format!("the ranks of dp{dp} disagree on the staged y: {ys:?}"));
     }
     let y = ys.first().cloned().unwrap_or_default();
-    if let Some(r) = reference_y.as_ref()
-        && *r != y
-    {
-        return Err(format!("staged y {y} differs from the already updated replicas' {r}"));
-    }
-    *reference_y = Some(y.clone());
-    // The barrier: every rank of the group swaps under the group lock.
-    let committed = cluster.commit(dp).await.map_err(failed)?;
-    if let Some(e) = committed.values().find_map(|r| r.as_ref().err()) {
-        return Err(format!("commit: {e}"));
-    }
-    Ok(format!("staged in {stage_s:.2} s, verified (round trips, probes, y {y})"))
+    Ok((format!("staged in {stage_s:.2} s, verified (round trips, probes, y {y})"), y))
 }

@@ -96,17 +96,17 @@ fn digests(report: &Value) -> Vec<(u64, u64, String)> {
         .collect()
 }
 
-fn rolling_update_with_probes(dp: &str) {
+fn rolling_update_with_probes(tp: &str, dp: &str, max_unavailable: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (tmp.path().join("A"), tmp.path().join("B"));
     synth(&a, "1");
     synth(&b, "2");
     let root = tmp.path().to_str().unwrap();
-    let cluster = Served::start(&["--tp", "2", "--dp", dp, "--checkpoint", a.to_str().unwrap(), "--allow-root", root]);
+    let cluster = Served::start(&["--tp", tp, "--dp", dp, "--checkpoint", a.to_str().unwrap(), "--allow-root", root]);
     let before = cluster.report();
     let load = cluster.probe_load("20", "4");
     std::thread::sleep(Duration::from_millis(300));
-    let o = cluster.cmd("update", &["--checkpoint", b.to_str().unwrap(), "--json"]);
+    let o = cluster.cmd("update", &["--checkpoint", b.to_str().unwrap(), "--max-unavailable", max_unavailable, "--json"]);
     assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
     let update: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(update["ok"], true);
@@ -120,7 +120,7 @@ fn rolling_update_with_probes(dp: &str) {
     let new_version = update["update"]["new_version"].as_str().unwrap();
     assert!(versions(&after).iter().all(|v| v == new_version), "{after}");
     assert_ne!(versions(&before), versions(&after));
-    let fresh = run("orchestrator", &["launch", "--json", "--no-probe", "--tp", "2", "--dp", dp, "--checkpoint", b.to_str().unwrap()]);
+    let fresh = run("orchestrator", &["launch", "--json", "--no-probe", "--tp", tp, "--dp", dp, "--checkpoint", b.to_str().unwrap()]);
     let fresh: Value = serde_json::from_slice(&fresh.stdout).unwrap();
     assert_eq!(digests(&after), digests(&fresh));
     // Probes were served by B during the update.
@@ -129,12 +129,18 @@ fn rolling_update_with_probes(dp: &str) {
 
 #[test]
 fn rolling_update_tp2_dp2_keeps_serving() {
-    rolling_update_with_probes("2");
+    rolling_update_with_probes("2", "2", "1");
+}
+
+/// Two of three replicas at a time: still always one serving.
+#[test]
+fn rolling_update_two_replicas_at_a_time_keeps_serving() {
+    rolling_update_with_probes("1", "3", "2");
 }
 
 #[test]
 fn shadow_swap_with_one_replica_keeps_serving() {
-    rolling_update_with_probes("1");
+    rolling_update_with_probes("2", "1", "1");
 }
 
 /// A truncated shard, a NaN scale, a wrong shape, a different geometry, a checkpoint outside
