@@ -487,6 +487,19 @@ impl Cluster {
         dead
     }
 
+    /// [`Cluster::dead_in`] after giving a failing process up to a second to finish exiting
+    /// (its connection can break a moment before it is gone).
+    pub async fn dead_in_settled(&self, dp: u32) -> Vec<String> {
+        for _ in 0..20 {
+            let dead = self.dead_in(dp).await;
+            if !dead.is_empty() {
+                return dead;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.dead_in(dp).await
+    }
+
     /// Kills every worker at once (after a failure).
     pub async fn kill_all(&self) {
         for w in &self.workers {

@@ -181,7 +181,7 @@ pub async fn rolling_update(
                 for &dp in group {
                     cluster.abort(dp).await;
                     // A replica with a dead rank cannot serve: it stays out of rotation.
-                    let dead = cluster.dead_in(dp).await;
+                    let dead = cluster.dead_in_settled(dp).await;
                     rotation.set(dp, dead.is_empty());
                     let down = if dead.is_empty() { String::new() } else { format!(" ({}: out of rotation)", dead.join(", ")) };
                     let why = if dp == failed { e.clone() } else { format!("aborted with its batch (replica dp{failed} failed)") };
