@@ -28,3 +28,13 @@ pub fn stdout(o: &Output) -> String {
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
+
+/// `(dp, tp, kernel rank digest)` of every rank of a consistency report (`--json`).
+pub fn rank_digests(report: &serde_json::Value) -> Vec<(u64, u64, String)> {
+    report["ranks"]
+        .as_array()
+        .expect("a report has ranks")
+        .iter()
+        .map(|r| (r["dp"].as_u64().unwrap_or(0), r["tp"].as_u64().unwrap_or(0), r["kernel_rank_digest"].as_str().unwrap_or("").to_string()))
+        .collect()
+}

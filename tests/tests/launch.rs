@@ -4,7 +4,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use orchestrator_e2e::{bin, run, stderr, stdout};
+use orchestrator_e2e::{bin, rank_digests, run, stderr, stdout};
 use serde_json::Value;
 
 fn launch_json(args: &[&str]) -> (Option<i32>, Value, String) {
@@ -23,15 +23,6 @@ fn rule<'a>(doc: &'a Value, name: &str) -> &'a Value {
         .iter()
         .find(|r| r["rule"].as_str().unwrap().starts_with(name))
         .unwrap_or_else(|| panic!("no rule {name}: {doc}"))
-}
-
-fn rank_digests(doc: &Value) -> Vec<(u64, u64, String)> {
-    doc["ranks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| (r["dp"].as_u64().unwrap(), r["tp"].as_u64().unwrap(), r["kernel_rank_digest"].as_str().unwrap().to_string()))
-        .collect()
 }
 
 #[test]

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use orchestrator_e2e::{bin, run, stderr, stdout};
+use orchestrator_e2e::{bin, rank_digests, run, stderr, stdout};
 use serde_json::Value;
 
 /// A served cluster, killed (with its workers) if the test fails midway.
@@ -87,15 +87,6 @@ fn versions(report: &Value) -> Vec<String> {
     report["ranks"].as_array().unwrap().iter().map(|r| r["checkpoint_version"].as_str().unwrap().to_string()).collect()
 }
 
-fn digests(report: &Value) -> Vec<(u64, u64, String)> {
-    report["ranks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| (r["dp"].as_u64().unwrap(), r["tp"].as_u64().unwrap(), r["kernel_rank_digest"].as_str().unwrap().to_string()))
-        .collect()
-}
-
 fn rolling_update_with_probes(tp: &str, dp: &str, max_unavailable: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (tmp.path().join("A"), tmp.path().join("B"));
@@ -122,7 +113,7 @@ fn rolling_update_with_probes(tp: &str, dp: &str, max_unavailable: &str) {
     assert_ne!(versions(&before), versions(&after));
     let fresh = run("orchestrator", &["launch", "--json", "--no-probe", "--tp", tp, "--dp", dp, "--checkpoint", b.to_str().unwrap()]);
     let fresh: Value = serde_json::from_slice(&fresh.stdout).unwrap();
-    assert_eq!(digests(&after), digests(&fresh));
+    assert_eq!(rank_digests(&after), rank_digests(&fresh));
     // Probes were served by B during the update.
     assert!(probes["by_version"][new_version]["served"].as_u64().unwrap() > 0, "{probes}");
 }
@@ -191,13 +182,13 @@ fn bad_updates_are_refused_and_change_nothing() {
         assert_eq!(o.status.code(), Some(1), "{what}: {}\n{}", stdout(&o), stderr(&o));
         assert!(stdout(&o).contains(expect), "{what}: {}", stdout(&o));
         assert_eq!(versions(&cluster.report()), versions(&before), "{what}: nothing may change");
-        assert_eq!(digests(&cluster.report()), digests(&before), "{what}");
+        assert_eq!(rank_digests(&cluster.report()), rank_digests(&before), "{what}");
     }
     // Without the token.
     let o = run("orchestrator", &["update", "--coordinator", &cluster.coordinator, "--checkpoint", a.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("missing or wrong token"), "{}", stderr(&o));
-    assert_eq!(digests(&cluster.report()), digests(&before));
+    assert_eq!(rank_digests(&cluster.report()), rank_digests(&before));
 }
 
 /// A worker killed in the middle of staging: its group keeps version A (the other rank aborts
