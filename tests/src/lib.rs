@@ -2,8 +2,9 @@
 //! binaries. `cargo test --workspace` builds both (their packages have integration tests), and
 //! the binaries sit next to this test's `deps/` directory.
 
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 
 /// Path of a workspace binary in the target directory this test runs from.
 pub fn bin(name: &str) -> PathBuf {
@@ -37,4 +38,73 @@ pub fn rank_digests(report: &serde_json::Value) -> Vec<(u64, u64, String)> {
         .iter()
         .map(|r| (r["dp"].as_u64().unwrap_or(0), r["tp"].as_u64().unwrap_or(0), r["kernel_rank_digest"].as_str().unwrap_or("").to_string()))
         .collect()
+}
+
+/// A served cluster, killed (with its workers) if the test fails midway.
+pub struct Served {
+    pub child: Child,
+    pub coordinator: String,
+    pub token: String,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = run("orchestrator", &["shutdown", "--coordinator", &self.coordinator, "--token-file", &self.token]);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Served {
+    /// `orchestrator launch --serve ARGS`, once it announces its address and token file.
+    pub fn start(args: &[&str]) -> Self {
+        let mut full = vec!["launch", "--serve"];
+        full.extend_from_slice(args);
+        let mut child = Command::new(bin("orchestrator")).args(&full).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut announced = None;
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            if let Some(rest) = line.strip_prefix("serving: `orchestrator report --coordinator ") {
+                announced = Some(rest.split('`').next().unwrap().to_string());
+                break;
+            }
+        }
+        std::thread::spawn(move || for _ in lines {});
+        let announced = announced.expect("the cluster came up");
+        let (coordinator, token) = announced.split_once(" --token-file ").unwrap();
+        Self { child, coordinator: coordinator.into(), token: token.into() }
+    }
+
+    pub fn cmd(&self, command: &str, extra: &[&str]) -> std::process::Output {
+        let mut args = vec![command, "--coordinator", self.coordinator.as_str(), "--token-file", self.token.as_str()];
+        args.extend_from_slice(extra);
+        run("orchestrator", &args)
+    }
+
+    pub fn report(&self) -> serde_json::Value {
+        let o = self.cmd("report", &["--json", "--no-probe"]);
+        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)))
+    }
+
+    /// Starts a probe load in the background.
+    pub fn probe_load(&self, rate: &str, seconds: &str) -> Child {
+        Command::new(bin("orchestrator"))
+            .args([
+                "probe",
+                "--coordinator",
+                &self.coordinator,
+                "--token-file",
+                &self.token,
+                "--rate",
+                rate,
+                "--duration",
+                seconds,
+                "--json",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
 }

@@ -1,10 +1,9 @@
 //! End to end: `orchestrator launch` with real worker processes on loopback.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use orchestrator_e2e::{bin, rank_digests, run, stderr, stdout};
+use orchestrator_e2e::{Served, rank_digests, run, stderr, stdout};
 use serde_json::Value;
 
 fn launch_json(args: &[&str]) -> (Option<i32>, Value, String) {
@@ -159,39 +158,10 @@ fn tp_16_on_64_heads_is_refused_before_any_process_starts() {
 
 /// `--serve` keeps the cluster up; `report` re-runs the checks; a worker killed with SIGKILL is
 /// reported by rank within seconds; `shutdown` stops everything.
-/// Kills the served coordinator (and so its workers) if the test fails midway.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn serve_report_kill_and_shutdown() {
-    let child = Command::new(bin("orchestrator"))
-        .args(["launch", "--tp", "2", "--dummy", "--preset", "tiny", "--layers", "1", "--probe", "2,8", "--serve", "--json"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut child = KillOnDrop(child);
-    // The coordinator's address is printed on stderr.
-    let mut lines = BufReader::new(child.0.stderr.take().unwrap()).lines();
-    let mut announced = None;
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        if let Some(rest) = line.strip_prefix("serving: `orchestrator report --coordinator ") {
-            announced = Some(rest.split('`').next().unwrap().to_string());
-            break;
-        }
-    }
-    let announced = announced.expect("the coordinator announces itself");
-    let (coordinator, token) = announced.split_once(" --token-file ").expect("address and token file");
-    let (coordinator, token) = (coordinator.to_string(), token.to_string());
-    std::thread::spawn(move || for _ in lines {});
+    let mut cluster = Served::start(&["--tp", "2", "--dummy", "--preset", "tiny", "--layers", "1", "--probe", "2,8", "--json"]);
+    let (coordinator, token) = (cluster.coordinator.clone(), cluster.token.clone());
 
     // Without the token, or with a wrong one, control requests are refused and change nothing.
     let wrong = tempfile::NamedTempFile::new().unwrap();
@@ -224,7 +194,7 @@ fn serve_report_kill_and_shutdown() {
     assert!(shut.status.success(), "{}", stderr(&shut));
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        if child.0.try_wait().unwrap().is_some() {
+        if cluster.child.try_wait().unwrap().is_some() {
             break;
         }
         assert!(Instant::now() < deadline, "the coordinator did not stop");

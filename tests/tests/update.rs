@@ -1,81 +1,11 @@
 //! End to end: rolling weight updates on a `--serve` cluster with a probe load running
 //! throughout, refused updates, and access control.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use orchestrator_e2e::{bin, rank_digests, run, stderr, stdout};
+use orchestrator_e2e::{Served, rank_digests, run, stderr, stdout};
 use serde_json::Value;
-
-/// A served cluster, killed (with its workers) if the test fails midway.
-struct Served {
-    child: Child,
-    coordinator: String,
-    token: String,
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = run("orchestrator", &["shutdown", "--coordinator", &self.coordinator, "--token-file", &self.token]);
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Served {
-    fn start(args: &[&str]) -> Self {
-        let mut full = vec!["launch", "--serve", "--probe", "2,16"];
-        full.extend_from_slice(args);
-        let mut child = Command::new(bin("orchestrator")).args(&full).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let mut announced = None;
-        for line in lines.by_ref() {
-            let line = line.unwrap();
-            if let Some(rest) = line.strip_prefix("serving: `orchestrator report --coordinator ") {
-                announced = Some(rest.split('`').next().unwrap().to_string());
-                break;
-            }
-        }
-        std::thread::spawn(move || for _ in lines {});
-        let announced = announced.expect("the cluster came up");
-        let (coordinator, token) = announced.split_once(" --token-file ").unwrap();
-        Self { child, coordinator: coordinator.into(), token: token.into() }
-    }
-
-    fn cmd(&self, command: &str, extra: &[&str]) -> std::process::Output {
-        let mut args = vec![command, "--coordinator", self.coordinator.as_str(), "--token-file", self.token.as_str()];
-        args.extend_from_slice(extra);
-        run("orchestrator", &args)
-    }
-
-    fn report(&self) -> Value {
-        let o = self.cmd("report", &["--json", "--no-probe"]);
-        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)))
-    }
-
-    /// Starts a probe load in the background.
-    fn probe_load(&self, rate: &str, seconds: &str) -> Child {
-        Command::new(bin("orchestrator"))
-            .args([
-                "probe",
-                "--coordinator",
-                &self.coordinator,
-                "--token-file",
-                &self.token,
-                "--rate",
-                rate,
-                "--duration",
-                seconds,
-                "--json",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    }
-}
 
 fn synth(dir: &Path, seed: &str) {
     let o =
@@ -93,7 +23,7 @@ fn rolling_update_with_probes(tp: &str, dp: &str, max_unavailable: &str) {
     synth(&a, "1");
     synth(&b, "2");
     let root = tmp.path().to_str().unwrap();
-    let cluster = Served::start(&["--tp", tp, "--dp", dp, "--checkpoint", a.to_str().unwrap(), "--allow-root", root]);
+    let cluster = Served::start(&["--probe", "2,16", "--tp", tp, "--dp", dp, "--checkpoint", a.to_str().unwrap(), "--allow-root", root]);
     let before = cluster.report();
     let load = cluster.probe_load("20", "4");
     std::thread::sleep(Duration::from_millis(300));
@@ -142,7 +72,18 @@ fn bad_updates_are_refused_and_change_nothing() {
     let root = tmp.path().join("root");
     let a = root.join("A");
     synth(&a, "1");
-    let cluster = Served::start(&["--tp", "2", "--dp", "2", "--checkpoint", a.to_str().unwrap(), "--allow-root", root.to_str().unwrap()]);
+    let cluster = Served::start(&[
+        "--probe",
+        "2,16",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--checkpoint",
+        a.to_str().unwrap(),
+        "--allow-root",
+        root.to_str().unwrap(),
+    ]);
     let before = cluster.report();
 
     let damaged = |name: &str, damage: &dyn Fn(&Path)| {
@@ -202,6 +143,8 @@ fn a_worker_dying_mid_stage_leaves_its_group_on_the_old_version() {
     synth(&b, "2");
     let root = tmp.path().to_str().unwrap();
     let cluster = Served::start(&[
+        "--probe",
+        "2,16",
         "--tp",
         "2",
         "--dp",
