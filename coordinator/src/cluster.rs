@@ -61,12 +61,84 @@ impl Registry {
     }
 }
 
+/// A worker's process: a child this coordinator started, or one a previous coordinator
+/// started and this one adopted from the state directory (known by pid only).
+pub enum WorkerProcess {
+    Child(Box<tokio::sync::Mutex<Child>>),
+    Adopted { pid: u32 },
+}
+
+impl WorkerProcess {
+    /// How the process ended, or `None` while it runs.
+    pub async fn exited(&self) -> Option<String> {
+        match self {
+            Self::Child(child) => match child.lock().await.try_wait() {
+                Ok(None) => None,
+                Ok(Some(status)) => Some(format!("exited ({status})")),
+                Err(e) => Some(format!("cannot be waited on: {e}")),
+            },
+            Self::Adopted { pid } => (!pid_alive(*pid)).then(|| format!("exited (pid {pid} is gone)")),
+        }
+    }
+
+    /// Waits up to `limit` for the process to end, then kills it.
+    pub async fn stop_within(&self, limit: Duration) {
+        match self {
+            Self::Child(child) => {
+                let mut child = child.lock().await;
+                if tokio::time::timeout(limit, child.wait()).await.is_err() {
+                    let _ = child.kill().await;
+                }
+            }
+            Self::Adopted { pid } => {
+                let start = Instant::now();
+                while pid_alive(*pid) && start.elapsed() < limit {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                kill_pid(*pid);
+            }
+        }
+    }
+
+    pub async fn kill(&self) {
+        match self {
+            Self::Child(child) => {
+                let _ = child.lock().await.kill().await;
+            }
+            Self::Adopted { pid } => kill_pid(*pid),
+        }
+    }
+}
+
+/// Whether a process with this pid exists (and is not a zombie).
+fn pid_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+    if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state field follows the parenthesized command name.
+        return stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'));
+    }
+    // SAFETY: kill with signal 0 sends nothing; it only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 }
+}
+
+fn kill_pid(pid: u32) {
+    if let Ok(pid) = libc::pid_t::try_from(pid)
+        && pid > 0
+        && pid_alive(pid as u32)
+    {
+        // SAFETY: SIGKILL to a single positive pid this cluster's journal names as its worker.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+}
+
 /// One rank's worker process.
 pub struct WorkerHandle {
     pub id: u32,
     pub dp: u32,
     pub tp: u32,
-    pub child: Arc<tokio::sync::Mutex<Child>>,
+    pub process: WorkerProcess,
     pub client: Option<WorkerClient<Channel>>,
     pub collective: String,
 }
@@ -105,7 +177,9 @@ fn worker_command() -> anyhow::Result<(PathBuf, Vec<String>)> {
 
 impl Cluster {
     /// Starts `tp * dp` worker processes that register with `coordinator`, authenticate with
-    /// the token in `token_file`, and read checkpoints only under `allow_roots`.
+    /// the token in `token_file`, read checkpoints only under `allow_roots`, and keep serving
+    /// for `grace` while the coordinator is unreachable.
+    #[allow(clippy::too_many_arguments)]
     pub fn spawn(
         tp: u32,
         dp: u32,
@@ -114,6 +188,7 @@ impl Cluster {
         token: Token,
         token_file: &Path,
         allow_roots: &[PathBuf],
+        grace: Duration,
     ) -> anyhow::Result<Self> {
         let (bin, leading) = worker_command()?;
         let mut workers = Vec::new();
@@ -124,6 +199,7 @@ impl Cluster {
                 .arg("--token-file")
                 .arg(token_file)
                 .args(allow_roots.iter().flat_map(|r| [std::ffi::OsStr::new("--allow-root"), r.as_os_str()]))
+                .args(["--coordinator-grace", &grace.as_secs_f64().to_string()])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit())
@@ -134,13 +210,67 @@ impl Cluster {
                 id,
                 dp: id / tp,
                 tp: id % tp,
-                child: Arc::new(tokio::sync::Mutex::new(child)),
+                process: WorkerProcess::Child(Box::new(tokio::sync::Mutex::new(child))),
                 client: None,
                 collective: String::new(),
             });
         }
         let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
         Ok(Self { tp, dp, workers, registry, token, group_locks })
+    }
+
+    /// Takes over the workers a previous coordinator started (from its journal): registers
+    /// them as just heard from, and connects to each.
+    pub async fn adopt(
+        tp: u32,
+        dp: u32,
+        records: &[crate::journal::WorkerRecord],
+        registry: Arc<Registry>,
+        token: Token,
+    ) -> Result<Self, Failures> {
+        let mut workers = Vec::new();
+        for r in records {
+            registry.register(
+                r.id,
+                Registration {
+                    address: r.address.clone(),
+                    host: String::new(),
+                    device: String::new(),
+                    pid: r.pid,
+                    last_heartbeat: Instant::now(),
+                },
+            );
+            workers.push(WorkerHandle {
+                id: r.id,
+                dp: r.dp,
+                tp: r.tp,
+                process: WorkerProcess::Adopted { pid: r.pid },
+                client: None,
+                collective: r.collective.clone(),
+            });
+        }
+        let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
+        let mut cluster = Self { tp, dp, workers, registry, token, group_locks };
+        cluster.connect_registered().await?;
+        Ok(cluster)
+    }
+
+    /// What the journal records about each worker.
+    pub fn records(&self) -> Vec<crate::journal::WorkerRecord> {
+        self.workers
+            .iter()
+            .map(|w| {
+                let reg = self.registry.get(w.id);
+                crate::journal::WorkerRecord {
+                    id: w.id,
+                    dp: w.dp,
+                    tp: w.tp,
+                    address: reg.as_ref().map(|r| r.address.clone()).unwrap_or_default(),
+                    pid: reg.map_or(0, |r| r.pid),
+                    collective: w.collective.clone(),
+                }
+            })
+            .collect()
     }
 
     /// The first worker (of replica `group`, or of all) that exited or stopped answering,
@@ -150,8 +280,8 @@ impl Cluster {
             tokio::time::sleep(Duration::from_millis(100)).await;
             let mut failures = Vec::new();
             for w in self.workers.iter().filter(|w| group.is_none_or(|g| w.dp == g)) {
-                if let Ok(Some(status)) = w.child.lock().await.try_wait() {
-                    failures.push((w.id, format!("{} exited ({status})", w.label())));
+                if let Some(how) = w.process.exited().await {
+                    failures.push((w.id, format!("{} {how}", w.label())));
                     continue;
                 }
                 if let Some(r) = self.registry.get(w.id) {
@@ -195,8 +325,8 @@ impl Cluster {
                 break;
             }
             for w in &self.workers {
-                if let Ok(Some(status)) = w.child.lock().await.try_wait() {
-                    return Err(vec![(w.id, format!("{} exited before registering ({status})", w.label()))]);
+                if let Some(how) = w.process.exited().await {
+                    return Err(vec![(w.id, format!("{} {how} before registering", w.label()))]);
                 }
             }
             if start.elapsed() > deadline {
@@ -207,8 +337,13 @@ impl Cluster {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        self.connect_registered().await
+    }
+
+    /// Connects to every registered worker.
+    async fn connect_registered(&mut self) -> Result<(), Failures> {
         for w in &mut self.workers {
-            let reg = self.registry.get(w.id).expect("registered above");
+            let reg = self.registry.get(w.id).ok_or_else(|| vec![(w.id, format!("{} is not registered", w.label()))])?;
             let endpoint = Endpoint::from_shared(reg.address.clone())
                 .map_err(|e| vec![(w.id, format!("{}: bad address {}: {e}", w.label(), reg.address))])?
                 .connect_timeout(Duration::from_secs(5));
@@ -434,12 +569,17 @@ impl Cluster {
     }
 
     /// Swaps the staged version in on every rank of replica `dp`, holding its group lock
-    /// (the barrier): checkpoint version by worker.
-    pub async fn commit(&self, dp: u32) -> Result<BTreeMap<u32, Result<String, String>>, Failures> {
+    /// (the barrier); a rank whose staged version is not `expected` refuses. Checkpoint
+    /// version by worker.
+    pub async fn commit(&self, dp: u32, expected: &str) -> Result<BTreeMap<u32, Result<String, String>>, Failures> {
         let _guard = self.group_locks[dp as usize].lock().await;
         self.fan_out_in(Some(dp), |w, mut client| {
             let label = w.label();
-            let req = orchestrator_worker::auth::request(pb::CommitRequest {}, ASSIGN_DEADLINE, Some(&self.token));
+            let req = orchestrator_worker::auth::request(
+                pb::CommitRequest { expected_version: expected.to_string() },
+                ASSIGN_DEADLINE,
+                Some(&self.token),
+            );
             async move {
                 client.commit(req).await.map(|r| r.into_inner().checkpoint_version).map_err(|s| format!("{label}: commit: {}", s.message()))
             }
@@ -467,10 +607,7 @@ impl Cluster {
             }
         }
         for w in &self.workers {
-            let mut child = w.child.lock().await;
-            if tokio::time::timeout(SHUTDOWN_DEADLINE, child.wait()).await.is_err() {
-                let _ = child.kill().await;
-            }
+            w.process.stop_within(SHUTDOWN_DEADLINE).await;
         }
     }
 
@@ -478,10 +615,8 @@ impl Cluster {
     pub async fn dead_in(&self, dp: u32) -> Vec<String> {
         let mut dead = Vec::new();
         for w in self.workers.iter().filter(|w| w.dp == dp) {
-            match w.child.lock().await.try_wait() {
-                Ok(None) => {}
-                Ok(Some(status)) => dead.push(format!("{} exited ({status})", w.label())),
-                Err(e) => dead.push(format!("{}: {e}", w.label())),
+            if let Some(how) = w.process.exited().await {
+                dead.push(format!("{} {how}", w.label()));
             }
         }
         dead
@@ -503,7 +638,7 @@ impl Cluster {
     /// Kills every worker at once (after a failure).
     pub async fn kill_all(&self) {
         for w in &self.workers {
-            let _ = w.child.lock().await.kill().await;
+            w.process.kill().await;
         }
     }
 }

@@ -12,16 +12,15 @@ use orchestrator_kernels::ScaleRule;
 use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
 use orchestrator_model::{ModelConfig, Preset};
 use orchestrator_proto::v1 as pb;
-use orchestrator_proto::v1::coordinator_server::CoordinatorServer;
 use orchestrator_worker::LoadSource;
 use orchestrator_worker::auth::Token;
 use orchestrator_worker::golden::golden_kernel_digests;
 use orchestrator_worker::probe::ProbeSpec;
-use tokio::sync::Notify;
 
-use crate::cluster::{Cluster, Failures, Registry};
+use crate::cluster::{Cluster, Failures};
 use crate::consistency::{ConsistencyReport, evaluate, failed_row, row};
-use crate::service::CoordinatorService;
+use crate::journal::{Event, Journal, PlanRecord, SourceRecord};
+use crate::server::Endpoint;
 
 /// Layers of the built-in default checkpoint.
 pub const DEFAULT_LAYERS: usize = 4;
@@ -48,6 +47,10 @@ pub struct LaunchPlan {
     pub token_generated: bool,
     /// Directories workers may read checkpoints from.
     pub allow_roots: Vec<PathBuf>,
+    /// The journal of the plan, the workers and every update step (`--state-dir`).
+    pub journal: Option<Arc<Journal>>,
+    /// How long workers keep serving while the coordinator is unreachable.
+    pub worker_grace: Duration,
 }
 
 /// Where the default checkpoint lives: `$ORCHESTRATOR_CACHE`, else `$XDG_CACHE_HOME/orchestrator`,
@@ -95,6 +98,11 @@ pub struct Session {
     pub golden: Option<BTreeMap<u32, BTreeMap<String, String>>>,
     pub load_seconds: BTreeMap<u32, f64>,
     pub timings: BTreeMap<String, f64>,
+    /// Where updates are journaled (`--state-dir`).
+    pub journal: Option<Arc<Journal>>,
+    /// The source every replica serves (outside updates), and the last update's number.
+    pub current_source: SourceRecord,
+    pub last_update: u64,
 }
 
 impl Session {
@@ -163,10 +171,10 @@ impl Session {
 async fn failure_report(plan: &LaunchPlan, cluster: &Cluster, failures: Failures, timings: BTreeMap<String, f64>) -> ConsistencyReport {
     let mut f: BTreeMap<u32, String> = failures.into_iter().collect();
     for w in &cluster.workers {
-        if let (Some(msg), Ok(Some(status))) = (f.get_mut(&w.id), w.child.lock().await.try_wait())
+        if let (Some(msg), Some(how)) = (f.get_mut(&w.id), w.process.exited().await)
             && !msg.contains("exited")
         {
-            *msg = format!("{} exited ({status}); {msg}", w.label());
+            *msg = format!("{} {how}; {msg}", w.label());
         }
     }
     let rows = cluster
@@ -177,7 +185,8 @@ async fn failure_report(plan: &LaunchPlan, cluster: &Cluster, failures: Failures
     evaluate(plan.tp, plan.dp, plan.source_desc.clone(), rows, None, timings)
 }
 
-struct TokenFileGuard(Option<PathBuf>);
+/// Removes a generated token file when dropped.
+pub struct TokenFileGuard(pub Option<PathBuf>);
 
 impl Drop for TokenFileGuard {
     fn drop(&mut self) {
@@ -190,41 +199,24 @@ impl Drop for TokenFileGuard {
 /// Runs a launch; returns the report and whether the cluster should keep serving.
 pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&ConsistencyReport)) -> anyhow::Result<bool> {
     let start = Instant::now();
-    // A token file this launch generated goes away with it, however the launch ends.
+    // A token file this launch generated goes away with it, however the launch ends (a
+    // coordinator killed outright leaves it for `recover`).
     let _token_file = TokenFileGuard(plan.token_generated.then(|| plan.token_file.clone()));
     let mut timings = BTreeMap::new();
-    let registry = Arc::new(Registry::default());
-    let session_slot = Arc::new(tokio::sync::Mutex::new(None));
-    let shutdown = Arc::new(Notify::new());
-    let service = CoordinatorService {
-        registry: registry.clone(),
-        session: session_slot.clone(),
-        shutdown: shutdown.clone(),
-        update_lock: Default::default(),
-    };
-
-    let listener = tokio::net::TcpListener::bind(plan.listen).await?;
-    let address = listener.local_addr()?;
-    let router = orchestrator_worker::grpc::standard_router::<CoordinatorServer<CoordinatorService>>().await?;
-    let server_stop = Arc::new(Notify::new());
-    let server = {
-        let stop = server_stop.clone();
-        tokio::spawn(
-            router
-                .add_service(tonic::service::interceptor::InterceptedService::new(
-                    CoordinatorServer::new(service).max_decoding_message_size(16 << 20),
-                    orchestrator_worker::auth::interceptor(Some(plan.token.clone())),
-                ))
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    async move { stop.notified().await },
-                ),
-        )
-    };
+    let endpoint = Endpoint::start(plan.listen, plan.token.clone()).await?;
+    let address = endpoint.address;
     eprintln!("coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);
 
-    let mut cluster =
-        Cluster::spawn(plan.tp, plan.dp, &format!("http://{address}"), registry, plan.token.clone(), &plan.token_file, &plan.allow_roots)?;
+    let mut cluster = Cluster::spawn(
+        plan.tp,
+        plan.dp,
+        &format!("http://{address}"),
+        endpoint.registry.clone(),
+        plan.token.clone(),
+        &plan.token_file,
+        &plan.allow_roots,
+        plan.worker_grace,
+    )?;
     let up = async {
         cluster.connect_all(Duration::from_secs(30)).await?;
         cluster.assign(&plan.source, plan.scale_rule.name(), plan.fault, plan.dump_dir.as_deref()).await
@@ -234,7 +226,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         let report = failure_report(&plan, &cluster, f, timings).await;
         cluster.kill_all().await;
         emit_report(&report);
-        server_stop.notify_one();
+        endpoint.stop().await;
         return Ok(false);
     }
     timings.insert("startup".into(), start.elapsed().as_secs_f64());
@@ -256,33 +248,23 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     let t = Instant::now();
     let loaded = cluster.load().await;
     timings.insert("load".into(), t.elapsed().as_secs_f64());
-    let load_seconds = match loaded {
+    let failures = match loaded {
         Ok(results) => {
-            let mut failures = Vec::new();
-            let mut seconds = BTreeMap::new();
-            for (id, r) in results {
-                match r {
-                    Ok(s) => {
-                        seconds.insert(id, s);
-                    }
-                    Err(e) => failures.push((id, e)),
-                }
-            }
+            let failures: Failures = results.iter().filter_map(|(id, r)| r.as_ref().err().map(|e| (*id, e.clone()))).collect();
             if !failures.is_empty() {
                 tokio::time::sleep(Duration::from_millis(200)).await;
-                let report = failure_report(&plan, &cluster, failures, timings).await;
-                cluster.kill_all().await;
-                emit_report(&report);
-                server_stop.notify_one();
-                return Ok(false);
             }
-            seconds
+            failures.is_empty().then(|| results.into_iter().filter_map(|(id, r)| r.ok().map(|s| (id, s))).collect()).ok_or(failures)
         }
+        Err(f) => Err(f),
+    };
+    let load_seconds = match failures {
+        Ok(seconds) => seconds,
         Err(f) => {
             let report = failure_report(&plan, &cluster, f, timings).await;
             cluster.kill_all().await;
             emit_report(&report);
-            server_stop.notify_one();
+            endpoint.stop().await;
             return Ok(false);
         }
     };
@@ -291,7 +273,23 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         None => None,
     };
 
-    let rotation = Arc::new(crate::update::Rotation::new(vec![plan.local_source.version(); plan.dp as usize]));
+    let version = plan.local_source.version();
+    let current_source = SourceRecord::from_pb(&plan.source).ok_or_else(|| anyhow::anyhow!("the launch has no source"))?;
+    if let Some(j) = &plan.journal {
+        j.record(Event::Launched(PlanRecord {
+            coordinator: address.to_string(),
+            tp: plan.tp,
+            dp: plan.dp,
+            source: current_source.clone(),
+            source_desc: plan.source_desc.clone(),
+            scale_rule: plan.scale_rule.name().to_string(),
+            probe: plan.probe.map(|p| (p.tokens as u32, p.latents as u32, p.seed)),
+            token_file: plan.token_file.clone(),
+            workers: cluster.records(),
+            version: version.clone(),
+        }))?;
+    }
+    let rotation = Arc::new(crate::update::Rotation::new(vec![version; plan.dp as usize]));
     let mut session = Session {
         cluster: Arc::new(cluster),
         rotation,
@@ -301,6 +299,9 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         golden,
         load_seconds,
         timings,
+        journal: plan.journal.clone(),
+        current_source,
+        last_update: 0,
     };
     let report = session.check(true).await;
     session.timings.insert("total".into(), start.elapsed().as_secs_f64());
@@ -309,20 +310,13 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     emit_report(&report);
 
     if serve {
-        let auth = format!("--coordinator http://{address} --token-file {}", plan.token_file.display());
-        eprintln!("serving: `orchestrator report {auth}` re-runs the checks; `orchestrator shutdown {auth}` stops");
-        *session_slot.lock().await = Some(session);
-        tokio::select! {
-            _ = shutdown.notified() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-        if let Some(session) = session_slot.lock().await.take() {
-            session.cluster.shutdown().await;
-        }
+        endpoint.serve(session, &plan.token_file).await;
     } else {
         session.cluster.shutdown().await;
+        if let Some(j) = &session.journal {
+            j.note(Event::Shutdown);
+        }
     }
-    server_stop.notify_one();
-    let _ = server.await;
+    endpoint.stop().await;
     Ok(report.ok)
 }

@@ -3,7 +3,10 @@
 
 mod cluster;
 mod consistency;
+mod journal;
 mod launch;
+mod recover;
+mod server;
 mod service;
 mod update;
 
@@ -43,6 +46,9 @@ enum Command {
     /// A bounded probe load through the coordinator's rotation: counts per replica and version,
     /// latency percentiles.
     Probe(ProbeLoadArgs),
+    /// Restart a coordinator that died from its `--state-dir`: adopt the running workers,
+    /// finish (or `--rollback`) the update it left in flight, report, and serve.
+    Recover(RecoverArgs),
     /// Checkpoint tools.
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
@@ -91,7 +97,7 @@ struct LaunchArgs {
     #[arg(long, value_enum)]
     verify: Option<Verify>,
     /// Debugging: make worker RANK (0..tp*dp, dp-major) reproduce a bug: skip-permute,
-    /// double-permute, stale-reload, crash-during-load, crash-during-stage.
+    /// double-permute, stale-reload, crash-during-load, crash-during-stage, slow-stage.
     #[arg(long, value_name = "RANK:KIND")]
     inject_fault: Option<String>,
     /// Every worker writes its kernel-visible tensors to DIR/dp{D}/rank{R}.safetensors.
@@ -113,6 +119,28 @@ struct LaunchArgs {
     /// More directories workers may read checkpoints from (the launched checkpoint's is always allowed).
     #[arg(long, value_name = "DIR")]
     allow_root: Vec<PathBuf>,
+    /// Journal the plan, the workers and every update step here, so that a coordinator killed
+    /// mid-update can be restarted with `orchestrator recover --state-dir DIR`. Without
+    /// `--token-file`, the generated token is kept here too.
+    #[arg(long, value_name = "DIR")]
+    state_dir: Option<PathBuf>,
+    /// Seconds workers keep serving while the coordinator is unreachable (default: 3, or 60
+    /// with --state-dir so that `recover` can find them).
+    #[arg(long, value_name = "SECS")]
+    worker_grace: Option<f64>,
+}
+
+#[derive(Args)]
+struct RecoverArgs {
+    /// The state directory the dead coordinator journaled to.
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// Return every replica to the version before the interrupted update instead of finishing it.
+    #[arg(long)]
+    rollback: bool,
+    /// Print the report as one JSON document.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -293,9 +321,10 @@ fn parse_fault(s: &str, workers: u32) -> anyhow::Result<(u32, orchestrator_proto
         "stale-reload" => Fault::StaleReload,
         "crash-during-load" => Fault::CrashDuringLoad,
         "crash-during-stage" => Fault::CrashDuringStage,
+        "slow-stage" => Fault::SlowStage,
         other => {
             anyhow::bail!(
-                "--inject-fault `{s}`: unknown kind `{other}` (skip-permute, double-permute, stale-reload, crash-during-load, crash-during-stage)"
+                "--inject-fault `{s}`: unknown kind `{other}` (skip-permute, double-permute, stale-reload, crash-during-load, crash-during-stage, slow-stage)"
             )
         }
     };
@@ -344,13 +373,26 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
     if let orchestrator_worker::LoadSource::Safetensors(c) = &local {
         allow_roots.push(c.dir().to_path_buf());
     }
-    let (token, token_file, token_generated) = match &a.token_file {
-        Some(p) => (orchestrator_worker::auth::Token::read(p)?, p.canonicalize()?, false),
-        None => {
-            let p = launch::cache_dir().join("run").join(format!("coordinator-{}.token", std::process::id()));
+    let state_dir = match &a.state_dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).with_context(|| format!("--state-dir {}", d.display()))?;
+            Some(d.canonicalize().with_context(|| format!("--state-dir {}", d.display()))?)
+        }
+        None => None,
+    };
+    let journal = state_dir.as_deref().map(journal::Journal::create).transpose()?.map(std::sync::Arc::new);
+    let (token, token_file, token_generated) = match (&a.token_file, &state_dir) {
+        (Some(p), _) => (orchestrator_worker::auth::Token::read(p)?, p.canonicalize()?, false),
+        (None, dir) => {
+            let p = match dir {
+                Some(d) => d.join(journal::TOKEN_FILE),
+                None => launch::cache_dir().join("run").join(format!("coordinator-{}.token", std::process::id())),
+            };
             (orchestrator_worker::auth::Token::generate(&p)?, p, true)
         }
     };
+    let grace = a.worker_grace.unwrap_or(if state_dir.is_some() { 60.0 } else { 3.0 });
+    let worker_grace = std::time::Duration::try_from_secs_f64(grace).map_err(|e| anyhow::anyhow!("--worker-grace {grace}: {e}"))?;
     let plan = launch::LaunchPlan {
         tp: a.tp,
         dp: a.dp,
@@ -366,6 +408,8 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
         token_file,
         token_generated,
         allow_roots,
+        journal,
+        worker_grace,
         dump_dir: match &a.dump {
             Some(d) => {
                 std::fs::create_dir_all(d).with_context(|| format!("--dump {}", d.display()))?;
@@ -377,6 +421,20 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let json = a.json;
     runtime.block_on(launch::launch(plan, a.serve, |report| {
+        if json {
+            emit(&format!("{}\n", serde_json::to_string_pretty(report).unwrap_or_default()));
+        } else {
+            emit(&report.render());
+        }
+    }))
+}
+
+fn recover_cmd(a: RecoverArgs) -> anyhow::Result<bool> {
+    let dir = a.state_dir.canonicalize().with_context(|| format!("--state-dir {}", a.state_dir.display()))?;
+    let how = if a.rollback { recover::Resolve::Rollback } else { recover::Resolve::Finish };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let json = a.json;
+    runtime.block_on(recover::recover(&dir, how, |report| {
         if json {
             emit(&format!("{}\n", serde_json::to_string_pretty(report).unwrap_or_default()));
         } else {
@@ -434,7 +492,18 @@ fn update_cmd(a: UpdateArgs) -> anyhow::Result<bool> {
             std::time::Duration::from_secs(3600),
             token.as_ref(),
         );
-        let r = client.update(req).await.map_err(|s| anyhow::anyhow!("update: {}", s.message()))?.into_inner();
+        let r = client
+            .update(req)
+            .await
+            .map_err(|s| match s.code() {
+                tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => anyhow::anyhow!(
+                    "update: lost the coordinator mid-update ({}): every rank holds the old or the verified new version; if it ran with \
+                     --state-dir, `orchestrator recover --state-dir DIR` finishes the update (or rolls it back with --rollback)",
+                    s.message()
+                ),
+                _ => anyhow::anyhow!("update: {}", s.message()),
+            })?
+            .into_inner();
         emit(&if a.remote.json { format!("{}\n", r.json) } else { r.text });
         Ok(r.ok)
     })
@@ -527,6 +596,7 @@ fn main() -> ExitCode {
         Command::Shutdown(a) => remote_cmd(a, true),
         Command::Update(a) => update_cmd(a),
         Command::Probe(a) => probe_cmd(a),
+        Command::Recover(a) => recover_cmd(a),
         Command::WorkerServe(a) => a.run().map(|()| true),
         Command::Checkpoint(CheckpointCommand::Synth(a)) => synth(a),
         Command::Checkpoint(CheckpointCommand::Inspect(a)) => inspect_cmd(a),

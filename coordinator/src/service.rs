@@ -66,26 +66,30 @@ impl Coordinator for CoordinatorService {
         if r.checkpoint_dir.is_empty() {
             return Err(Status::invalid_argument("update: checkpoint_dir is empty"));
         }
-        let (cluster, rotation, config, probe) = {
-            let guard = self.session.lock().await;
-            let s = guard.as_ref().ok_or_else(|| Status::unavailable("the cluster is not up yet"))?;
+        let _one_update_at_a_time = self.update_lock.lock().await;
+        let (cluster, rotation, config, probe, journal, update, from) = {
+            let mut guard = self.session.lock().await;
+            let s = guard.as_mut().ok_or_else(|| Status::unavailable("the cluster is not up yet"))?;
+            s.last_update += 1;
             (
                 s.cluster.clone(),
                 s.rotation.clone(),
                 s.config.clone(),
                 s.probe.unwrap_or(orchestrator_worker::probe::ProbeSpec { tokens: 2, latents: 16, seed: 0 }),
+                s.journal.clone(),
+                s.last_update,
+                s.current_source.clone(),
             )
         };
-        let _one_update_at_a_time = self.update_lock.lock().await;
-        let outcome = crate::update::rolling_update(
-            &cluster,
-            &rotation,
-            &config,
-            std::path::Path::new(&r.checkpoint_dir),
+        let dir = std::path::Path::new(&r.checkpoint_dir);
+        let plan = crate::update::UpdatePlan {
+            dir,
             probe,
-            r.max_unavailable.max(1),
-        )
-        .await;
+            max_unavailable: r.max_unavailable.max(1),
+            replicas: None,
+            journal: journal.as_deref().map(|j| (j, update, from)),
+        };
+        let outcome = crate::update::rolling_update(&cluster, &rotation, &config, plan).await;
         // The consistency report after the update (versions included).
         let report = {
             let mut guard = self.session.lock().await;
@@ -93,6 +97,7 @@ impl Coordinator for CoordinatorService {
                 Some(s) => {
                     if outcome.ok {
                         s.source_desc = format!("checkpoint {} (rolled out)", outcome.checkpoint);
+                        s.current_source = crate::journal::SourceRecord::Checkpoint { dir: dir.to_path_buf() };
                     }
                     Some(s.check(true).await)
                 }

@@ -20,6 +20,19 @@ use orchestrator_worker::probe::ProbeSpec;
 use serde::Serialize;
 
 use crate::cluster::Cluster;
+use crate::journal::{Event, Journal, SourceRecord, Step};
+
+/// What a rolling update is asked to do.
+pub struct UpdatePlan<'a> {
+    /// The new checkpoint directory.
+    pub dir: &'a Path,
+    pub probe: ProbeSpec,
+    pub max_unavailable: u32,
+    /// The replicas to update (all when `None`).
+    pub replicas: Option<Vec<u32>>,
+    /// Where to journal the update's steps, its number, and the source it moves from.
+    pub journal: Option<(&'a Journal, u64, SourceRecord)>,
+}
 
 /// Which replicas serve probes, and which version each holds.
 pub struct Rotation {
@@ -33,7 +46,14 @@ impl Rotation {
         Self { serving: Mutex::new(vec![true; versions.len()]), versions: Mutex::new(versions), next: AtomicUsize::new(0) }
     }
 
-    fn set(&self, replica: u32, serving: bool) {
+    /// Rotation from observed versions: a replica serves only when its ranks agree.
+    pub fn observed(versions: Vec<Option<String>>) -> Self {
+        let serving = versions.iter().map(Option::is_some).collect();
+        let versions = versions.into_iter().map(|v| v.unwrap_or_else(|| "mixed".into())).collect();
+        Self { serving: Mutex::new(serving), versions: Mutex::new(versions), next: AtomicUsize::new(0) }
+    }
+
+    pub fn set(&self, replica: u32, serving: bool) {
         self.serving.lock().unwrap_or_else(|p| p.into_inner())[replica as usize] = serving;
     }
 
@@ -109,14 +129,8 @@ fn validate(dir: &Path, running: &ModelConfig) -> Result<String, String> {
 /// Rolls `dir` across every replica, at most `max_unavailable` replicas at a time (and never
 /// all of them while more than one exists, so probes keep being served). A batch is staged and
 /// verified on every replica in it before any of them swaps; a failure aborts the whole batch.
-pub async fn rolling_update(
-    cluster: &Cluster,
-    rotation: &Rotation,
-    running: &ModelConfig,
-    dir: &Path,
-    probe: ProbeSpec,
-    max_unavailable: u32,
-) -> UpdateOutcome {
+pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, plan: UpdatePlan<'_>) -> UpdateOutcome {
+    let UpdatePlan { dir, probe, max_unavailable, replicas, journal } = plan;
     let start = Instant::now();
     let mut steps = Vec::new();
     let new_version = match tokio::task::spawn_blocking({
@@ -132,13 +146,26 @@ pub async fn rolling_update(
         Err(e) => return finish(false, dir, String::new(), vec![format!("validation task failed: {e}")], rotation, cluster, start),
     };
     steps.push(format!("validated {} (version {new_version}) against the running plan", dir.display()));
-    let source = pb::LoadSource { kind: Some(pb::load_source::Kind::CheckpointDir(dir.display().to_string())) };
+    let target = SourceRecord::Checkpoint { dir: dir.to_path_buf() };
+    let source = target.to_pb();
+    let record = |event: Event| {
+        if let Some((j, _, _)) = &journal {
+            j.note(event);
+        }
+    };
+    let update = journal.as_ref().map_or(0, |(_, id, _)| *id);
+    if let Some((_, _, from)) = &journal {
+        record(Event::UpdateBegin { update, from: from.clone(), to: target, new_version: new_version.clone(), max_unavailable });
+    }
+    let step = |dp: u32, step: Step| record(Event::UpdateStep { update, dp, step });
+    let end = |ok: bool, note: &str| record(Event::UpdateEnd { update, ok, note: note.to_string() });
     let batch = if cluster.dp == 1 { 1 } else { max_unavailable.clamp(1, cluster.dp - 1) } as usize;
-    let replicas: Vec<u32> = (0..cluster.dp).collect();
+    let replicas: Vec<u32> = replicas.unwrap_or_else(|| (0..cluster.dp).collect());
     let mut reference_y: Option<String> = None;
     for group in replicas.chunks(batch) {
-        if cluster.dp > 1 {
-            for &dp in group {
+        for &dp in group {
+            step(dp, Step::Staging);
+            if cluster.dp > 1 {
                 rotation.set(dp, false);
             }
         }
@@ -157,15 +184,25 @@ pub async fn rolling_update(
                 _ => {}
             }
         }
-        let commits =
-            if failure.is_none() { futures_util::future::join_all(group.iter().map(|&dp| cluster.commit(dp))).await } else { Vec::new() };
+        if failure.is_none() {
+            for &dp in group {
+                step(dp, Step::Verified);
+            }
+        }
+        let commits = if failure.is_none() {
+            futures_util::future::join_all(group.iter().map(|&dp| cluster.commit(dp, &new_version))).await
+        } else {
+            Vec::new()
+        };
         for (&dp, c) in group.iter().zip(&commits) {
             let err = match c {
                 Err(f) => Some(f.iter().map(|(_, e)| e.clone()).collect::<Vec<_>>().join("; ")),
                 Ok(results) => results.values().find_map(|r| r.as_ref().err().cloned()),
             };
-            if let (Some(e), None) = (err, &failure) {
-                failure = Some((dp, format!("commit: {e}")));
+            match (err, &failure) {
+                (Some(e), None) => failure = Some((dp, format!("commit: {e}"))),
+                (None, _) => step(dp, Step::Committed),
+                (Some(_), Some(_)) => {}
             }
         }
         match failure {
@@ -180,6 +217,7 @@ pub async fn rolling_update(
             Some((failed, e)) => {
                 for &dp in group {
                     cluster.abort(dp).await;
+                    step(dp, Step::Aborted);
                     // A replica with a dead rank cannot serve: it stays out of rotation.
                     let dead = cluster.dead_in_settled(dp).await;
                     rotation.set(dp, dead.is_empty());
@@ -187,10 +225,12 @@ pub async fn rolling_update(
                     let why = if dp == failed { e.clone() } else { format!("aborted with its batch (replica dp{failed} failed)") };
                     steps.push(format!("replica dp{dp}: FAILED, kept version {}{down}: {why}", rotation.version(dp)));
                 }
+                end(false, &format!("replica dp{failed} failed: {e}"));
                 return finish(false, dir, new_version, steps, rotation, cluster, start);
             }
         }
     }
+    end(true, "every replica verified and swapped");
     finish(true, dir, new_version, steps, rotation, cluster, start)
 }
 

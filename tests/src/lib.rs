@@ -50,6 +50,11 @@ pub struct Served {
 impl Drop for Served {
     fn drop(&mut self) {
         let _ = run("orchestrator", &["shutdown", "--coordinator", &self.coordinator, "--token-file", &self.token]);
+        // Let it stop its workers (adopted ones are not its children) before killing it.
+        let start = std::time::Instant::now();
+        while matches!(self.child.try_wait(), Ok(None)) && start.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -60,20 +65,47 @@ impl Served {
     pub fn start(args: &[&str]) -> Self {
         let mut full = vec!["launch", "--serve"];
         full.extend_from_slice(args);
-        let mut child = Command::new(bin("orchestrator")).args(&full).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        Self::announced(&full)
+    }
+
+    /// `orchestrator recover --state-dir DIR ARGS`, once it serves.
+    pub fn recover(state_dir: &std::path::Path, args: &[&str]) -> Self {
+        let mut full = vec!["recover", "--state-dir", state_dir.to_str().unwrap()];
+        full.extend_from_slice(args);
+        Self::announced(&full)
+    }
+
+    /// Runs `orchestrator ARGS` until it announces the served cluster (stderr is drained on).
+    fn announced(args: &[&str]) -> Self {
+        let mut child = Command::new(bin("orchestrator")).args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
         let mut announced = None;
+        let mut seen = Vec::new();
         for line in lines.by_ref() {
             let line = line.unwrap();
             if let Some(rest) = line.strip_prefix("serving: `orchestrator report --coordinator ") {
                 announced = Some(rest.split('`').next().unwrap().to_string());
                 break;
             }
+            seen.push(line);
         }
         std::thread::spawn(move || for _ in lines {});
-        let announced = announced.expect("the cluster came up");
+        let announced = announced.unwrap_or_else(|| panic!("`orchestrator {}` did not come up:\n{}", args.join(" "), seen.join("\n")));
         let (coordinator, token) = announced.split_once(" --token-file ").unwrap();
         Self { child, coordinator: coordinator.into(), token: token.into() }
+    }
+
+    /// Kills the coordinator process outright (its workers stay up).
+    pub fn kill_coordinator(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// `orchestrator update ARGS` in the background.
+    pub fn update_in_background(&self, extra: &[&str]) -> Child {
+        let mut args = vec!["update", "--coordinator", self.coordinator.as_str(), "--token-file", self.token.as_str()];
+        args.extend_from_slice(extra);
+        Command::new(bin("orchestrator")).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
     }
 
     pub fn cmd(&self, command: &str, extra: &[&str]) -> std::process::Output {
@@ -107,4 +139,47 @@ impl Served {
             .spawn()
             .unwrap()
     }
+}
+
+/// The events of a coordinator journal (`--state-dir`), one JSON object per line.
+pub fn journal(state_dir: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(state_dir.join("journal.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Polls the journal until `ready` holds for its events (panics after `limit`).
+pub fn wait_for_journal(
+    state_dir: &std::path::Path,
+    limit: std::time::Duration,
+    ready: impl Fn(&[serde_json::Value]) -> bool,
+) -> Vec<serde_json::Value> {
+    let start = std::time::Instant::now();
+    loop {
+        let events = journal(state_dir);
+        if ready(&events) {
+            return events;
+        }
+        assert!(start.elapsed() < limit, "the journal never reached the expected state: {events:#?}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Whether the journal records `step` for replica `dp` of some update.
+pub fn has_step(events: &[serde_json::Value], dp: u64, step: &str) -> bool {
+    events.iter().any(|e| e["event"] == "update_step" && e["dp"] == dp && e["step"] == step)
+}
+
+/// `orchestrator checkpoint synth`: a 2-layer `tiny` checkpoint with `seed`.
+pub fn synth_tiny(dir: &std::path::Path, seed: &str) {
+    let o =
+        run("orchestrator", &["checkpoint", "synth", "--out", dir.to_str().unwrap(), "--preset", "tiny", "--layers", "2", "--seed", seed]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// Every rank's checkpoint version in a report (`--json`), in report order.
+pub fn versions(report: &serde_json::Value) -> Vec<String> {
+    report["ranks"].as_array().unwrap().iter().map(|r| r["checkpoint_version"].as_str().unwrap().to_string()).collect()
 }

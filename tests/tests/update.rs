@@ -4,18 +4,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use orchestrator_e2e::{Served, rank_digests, run, stderr, stdout};
+use orchestrator_e2e::{Served, has_step, rank_digests, run, stderr, stdout, synth_tiny as synth, versions, wait_for_journal};
 use serde_json::Value;
-
-fn synth(dir: &Path, seed: &str) {
-    let o =
-        run("orchestrator", &["checkpoint", "synth", "--out", dir.to_str().unwrap(), "--preset", "tiny", "--layers", "2", "--seed", seed]);
-    assert!(o.status.success(), "{}", stderr(&o));
-}
-
-fn versions(report: &Value) -> Vec<String> {
-    report["ranks"].as_array().unwrap().iter().map(|r| r["checkpoint_version"].as_str().unwrap().to_string()).collect()
-}
 
 fn rolling_update_with_probes(tp: &str, dp: &str, max_unavailable: &str) {
     let tmp = tempfile::tempdir().unwrap();
@@ -132,16 +122,17 @@ fn bad_updates_are_refused_and_change_nothing() {
     assert_eq!(rank_digests(&cluster.report()), rank_digests(&before));
 }
 
-/// A worker killed in the middle of staging: its group keeps version A (the other rank aborts
-/// its staged copy), the update reports the failure by rank, and the other replica keeps
+/// A worker SIGKILLed in the middle of staging: its group keeps version A (the other rank
+/// aborts its staged copy), the update reports the failure by rank, and the other replica keeps
 /// serving (on B).
 #[test]
-fn a_worker_dying_mid_stage_leaves_its_group_on_the_old_version() {
+fn a_worker_killed_mid_stage_leaves_its_group_on_the_old_version() {
     let tmp = tempfile::tempdir().unwrap();
-    let (a, b) = (tmp.path().join("A"), tmp.path().join("B"));
+    let (a, b, state) = (tmp.path().join("A"), tmp.path().join("B"), tmp.path().join("state"));
     synth(&a, "1");
     synth(&b, "2");
     let root = tmp.path().to_str().unwrap();
+    // Worker 3 (dp1/tp1) stages slowly (a second per layer), so the kill lands mid-stage.
     let cluster = Served::start(&[
         "--probe",
         "2,16",
@@ -153,12 +144,22 @@ fn a_worker_dying_mid_stage_leaves_its_group_on_the_old_version() {
         a.to_str().unwrap(),
         "--allow-root",
         root,
+        "--state-dir",
+        state.to_str().unwrap(),
         "--inject-fault",
-        "3:crash-during-stage",
+        "3:slow-stage",
     ]);
     let before = cluster.report();
     let version_a = versions(&before)[0].clone();
-    let o = cluster.cmd("update", &["--checkpoint", b.to_str().unwrap(), "--json"]);
+    let load = cluster.probe_load("10", "6");
+    let update = cluster.update_in_background(&["--checkpoint", b.to_str().unwrap(), "--json"]);
+    let events = wait_for_journal(&state, Duration::from_secs(60), |e| has_step(e, 1, "staging"));
+    let victim = events[0]["workers"].as_array().unwrap().iter().find(|w| w["id"] == 3).unwrap()["pid"].as_u64().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let killed = std::process::Command::new("kill").args(["-KILL", &victim.to_string()]).status().unwrap();
+    assert!(killed.success());
+
+    let o = update.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(1), "{}\n{}", stdout(&o), stderr(&o));
     let update: Value = serde_json::from_slice(&o.stdout).unwrap();
     let steps: Vec<&str> = update["update"]["steps"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
@@ -167,11 +168,20 @@ fn a_worker_dying_mid_stage_leaves_its_group_on_the_old_version() {
     let version_b = update["update"]["new_version"].as_str().unwrap();
     assert_eq!(update["update"]["versions"]["0"], version_b);
     assert_eq!(update["update"]["versions"]["1"], version_a.as_str());
-    // The surviving rank of dp1 still holds A, never a mix with B.
+    // The surviving rank of dp1 still holds A, with nothing staged: never a mix with B.
     let after = cluster.report();
     let dp1_tp0 = after["ranks"].as_array().unwrap().iter().find(|r| r["dp"] == 1 && r["tp"] == 0).unwrap();
     assert_eq!(dp1_tp0["checkpoint_version"], version_a.as_str(), "{after}");
-    // The rest keep serving: every probe goes to dp0, on B.
+    // The journal closes the update as failed, dp1 aborted.
+    let events = orchestrator_e2e::journal(&state);
+    assert!(has_step(&events, 1, "aborted") && !has_step(&events, 1, "committed"), "{events:#?}");
+    assert_eq!(events.last().unwrap()["event"], "update_end");
+    assert_eq!(events.last().unwrap()["ok"], false);
+    // Probes never failed while it happened (dp1 was out of rotation from the start of its
+    // stage), and the rest keep serving: every later probe goes to dp0, on B.
+    let probes = load.wait_with_output().unwrap();
+    let probes: Value = serde_json::from_slice(&probes.stdout).unwrap();
+    assert_eq!(probes["failed"], 0, "{probes}");
     let probes = cluster.probe_load("20", "1").wait_with_output().unwrap();
     let probes: Value = serde_json::from_slice(&probes.stdout).unwrap();
     assert_eq!(probes["failed"], 0, "{probes}");

@@ -23,6 +23,10 @@ pub struct ServeArgs {
     /// A directory this worker may read checkpoints from (repeatable; none: no checkpoint is read).
     #[arg(long, value_name = "DIR")]
     pub allow_root: Vec<std::path::PathBuf>,
+    /// Seconds to keep serving while the coordinator is unreachable (a coordinator restarted
+    /// from its state directory finds the worker again meanwhile).
+    #[arg(long, default_value_t = 3.0, value_name = "SECS")]
+    pub coordinator_grace: f64,
 }
 
 impl ServeArgs {
@@ -34,6 +38,8 @@ impl ServeArgs {
             worker_id: self.worker_id,
             token: self.token_file.as_deref().map(crate::auth::Token::read).transpose()?,
             roots: crate::auth::AllowedRoots::new(&self.allow_root)?,
+            coordinator_grace: std::time::Duration::try_from_secs_f64(self.coordinator_grace)
+                .map_err(|e| anyhow::anyhow!("--coordinator-grace {}: {e}", self.coordinator_grace))?,
         })
     }
 }

@@ -47,6 +47,10 @@ struct State {
     weights: Option<RankWeights<CpuBackend>>,
     /// A staged version (rolling update): loaded beside the active weights, swapped in by Commit.
     shadow: Option<(RankWeights<CpuBackend>, Arc<LoadSource>)>,
+    /// Bumped by every Stage and Abort: a stage stores its result only if no later Stage or
+    /// Abort came meanwhile (a stage abandoned by a coordinator that died can never land after
+    /// its successor aborted or restaged).
+    stage_epoch: u64,
     listener: Option<RingListener>,
     ring: Option<(u64, TcpRing)>,
     load_seconds: f64,
@@ -109,8 +113,12 @@ impl WorkerService {
     /// `shadow`: load `reload_from` into fresh shadow buffers beside the active weights
     /// (a staged update) instead of into the active ones.
     fn load_stream(&self, reload_from: Option<LoadSource>, shadow: bool) -> Result<ProgressStream, Status> {
-        let (source, tp, rank, rule, fault, total, dump_dir) = {
-            let st = lock(&self.state);
+        let (source, tp, rank, rule, fault, total, dump_dir, epoch) = {
+            let mut st = lock(&self.state);
+            if shadow {
+                st.stage_epoch += 1;
+            }
+            let epoch = st.stage_epoch;
             let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned yet (call Assign first)"))?;
             if reload_from.is_some() && st.weights.is_none() {
                 return Err(Status::failed_precondition("nothing loaded to reload into"));
@@ -132,6 +140,7 @@ impl WorkerService {
                 plan.fault,
                 plan.source.config().geometry.layers,
                 plan.dump_dir.clone(),
+                epoch,
             )
         };
         let source = match reload_from {
@@ -148,6 +157,9 @@ impl WorkerService {
                 if fault == pb::Fault::CrashDuringLoad || (shadow && fault == pb::Fault::CrashDuringStage) {
                     eprintln!("worker rank {rank}: injected fault crash-during-load: exiting mid-load");
                     std::process::exit(101);
+                }
+                if shadow && fault == pb::Fault::SlowStage {
+                    std::thread::sleep(Duration::from_secs(1));
                 }
                 let _ = tx.blocking_send(Ok(pb::LoadProgress {
                     layers_done: n as u32,
@@ -189,6 +201,11 @@ impl WorkerService {
                 Ok(w) => {
                     let mut st = lock(&state);
                     if shadow {
+                        if st.stage_epoch != epoch {
+                            drop(st);
+                            let _ = tx.blocking_send(Err(Status::aborted("stage: superseded by a later stage or abort")));
+                            return;
+                        }
                         st.shadow = Some((w, source));
                     } else {
                         st.weights = Some(w);
@@ -232,6 +249,7 @@ impl Worker for WorkerService {
             RingListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).map_err(|e| Status::internal(format!("collective listener: {e}")))?;
         let address = listener.local_addr().to_string();
         let mut st = lock(&self.state);
+        let stage_epoch = st.stage_epoch + 1;
         *st = State {
             plan: Some(Plan {
                 tp_size: tp,
@@ -244,6 +262,7 @@ impl Worker for WorkerService {
                 dump_dir: (!r.dump_dir.is_empty()).then(|| std::path::PathBuf::from(&r.dump_dir).join(format!("dp{}", r.dp_rank))),
             }),
             listener: Some(listener),
+            stage_epoch,
             ..State::default()
         };
         Ok(Response::new(pb::AssignResponse { collective_address: address }))
@@ -290,8 +309,13 @@ impl Worker for WorkerService {
         self.load_stream(Some(source), true).map(Response::new)
     }
 
-    async fn commit(&self, _request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
+    async fn commit(&self, request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
+        let expected = request.into_inner().expected_version;
         let mut st = lock(&self.state);
+        let staged = st.shadow.as_ref().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?.1.version();
+        if !expected.is_empty() && staged != expected {
+            return Err(Status::failed_precondition(format!("commit: staged version {staged}, expected {expected}")));
+        }
         let (mut w, source) = st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
         w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
         let version = source.version();
@@ -303,7 +327,9 @@ impl Worker for WorkerService {
     }
 
     async fn abort(&self, _request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
-        lock(&self.state).shadow = None;
+        let mut st = lock(&self.state);
+        st.shadow = None;
+        st.stage_epoch += 1;
         Ok(Response::new(pb::AbortResponse {}))
     }
 
@@ -357,6 +383,7 @@ impl Worker for WorkerService {
                 round_trip_failures: rt.failures,
                 load_seconds: st.load_seconds,
                 generation: w.generation,
+                staged_version: st.shadow.as_ref().map(|(_, s)| s.version()).unwrap_or_default(),
             }))
         })
         .await
@@ -441,11 +468,14 @@ pub struct ServeConfig {
     pub token: Option<Token>,
     /// Only checkpoint directories under these are read.
     pub roots: AllowedRoots,
+    /// How long the worker keeps serving while its coordinator is unreachable (a restarted
+    /// coordinator finds it again within this time); then it stops.
+    pub coordinator_grace: Duration,
 }
 
 /// Serves the worker until shut down (by RPC, by the coordinator going away, or by a signal).
 pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
-    let ServeConfig { listen, coordinator, worker_id, token, roots } = config;
+    let ServeConfig { listen, coordinator, worker_id, token, roots, coordinator_grace } = config;
     let shutdown = Arc::new(Notify::new());
     let service = WorkerService::new(shutdown.clone(), roots);
     let listener = tokio::net::TcpListener::bind(listen).await?;
@@ -455,38 +485,17 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
 
     if let Some(coord) = coordinator.clone() {
         let mut client = CoordinatorClient::connect(coord.clone()).await?;
-        let req = crate::auth::request(
-            pb::RegisterRequest {
-                worker_id,
-                address: format!("http://{address}"),
-                host: host_name(),
-                device: "cpu".into(),
-                pid: std::process::id(),
-                protocol_version: orchestrator_proto::PROTOCOL_VERSION,
-            },
-            RPC_DEADLINE,
-            token.as_ref(),
-        );
+        let registration = pb::RegisterRequest {
+            worker_id,
+            address: format!("http://{address}"),
+            host: host_name(),
+            device: "cpu".into(),
+            pid: std::process::id(),
+            protocol_version: orchestrator_proto::PROTOCOL_VERSION,
+        };
+        let req = crate::auth::request(registration.clone(), RPC_DEADLINE, token.as_ref());
         client.register(req).await.map_err(|s| anyhow::anyhow!("registering with {coord}: {}", s.message()))?;
-        // Heartbeats; a coordinator that stops answering ends this worker.
-        let stop = shutdown.clone();
-        let token = token.clone();
-        tokio::spawn(async move {
-            let mut misses = 0;
-            loop {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                let req = crate::auth::request(pb::HeartbeatRequest { worker_id }, Duration::from_secs(2), token.as_ref());
-                match client.heartbeat(req).await {
-                    Ok(_) => misses = 0,
-                    Err(_) => misses += 1,
-                }
-                if misses >= 6 {
-                    tracing::warn!("coordinator unreachable: stopping");
-                    stop.notify_one();
-                    return;
-                }
-            }
-        });
+        tokio::spawn(heartbeats(client, registration, token.clone(), coordinator_grace, shutdown.clone()));
     }
 
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
@@ -503,6 +512,56 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         })
         .await?;
     Ok(())
+}
+
+/// Heartbeats to the coordinator every 500 ms. A coordinator that does not know this worker
+/// (one restarted from its state directory) gets the registration again; one that stays
+/// unreachable for `grace` ends this worker.
+async fn heartbeats(
+    mut client: CoordinatorClient<tonic::transport::Channel>,
+    registration: pb::RegisterRequest,
+    token: Option<Token>,
+    grace: Duration,
+    stop: Arc<Notify>,
+) {
+    let worker_id = registration.worker_id;
+    let mut last_answer = Instant::now();
+    let mut warned = false;
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let req = crate::auth::request(pb::HeartbeatRequest { worker_id }, Duration::from_secs(2), token.as_ref());
+        let answered = match client.heartbeat(req).await {
+            Ok(_) => true,
+            Err(s) if s.code() == tonic::Code::NotFound => {
+                let req = crate::auth::request(registration.clone(), RPC_DEADLINE, token.as_ref());
+                match client.register(req).await {
+                    Ok(_) => {
+                        tracing::info!(worker_id, "registered again with a restarted coordinator");
+                        true
+                    }
+                    Err(e) => {
+                        tracing::warn!(worker_id, "registering again: {}", e.message());
+                        false
+                    }
+                }
+            }
+            Err(_) => false,
+        };
+        if answered {
+            if warned {
+                tracing::info!(worker_id, "coordinator reachable again");
+            }
+            last_answer = Instant::now();
+            warned = false;
+        } else if last_answer.elapsed() > grace {
+            tracing::warn!(worker_id, "coordinator unreachable for {:.1} s: stopping", last_answer.elapsed().as_secs_f64());
+            stop.notify_one();
+            return;
+        } else if !warned && last_answer.elapsed() > Duration::from_secs(2) {
+            tracing::warn!(worker_id, "coordinator unreachable; serving on for up to {} s while it restarts", grace.as_secs());
+            warned = true;
+        }
+    }
 }
 
 /// [`serve`] on its own runtime (the entry point of a worker process).

@@ -1,0 +1,455 @@
+//! The coordinator's durable state (`--state-dir`): an append-only journal of the plan, the
+//! workers, and every step of every rolling update, one JSON object per line, each line
+//! flushed to disk (`fsync`) before the step it records goes on. A coordinator restarted from
+//! the directory (`orchestrator recover`) replays it to find the workers again and to see
+//! which update was in flight and how far it got.
+//!
+//! A line cut short by a kill mid-write is the only damage tolerated, and only as the last
+//! line; anything else is refused with the file and line named.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use orchestrator_proto::v1 as pb;
+use serde::{Deserialize, Serialize};
+
+/// The journal's file name inside the state directory.
+pub const JOURNAL_FILE: &str = "journal.jsonl";
+/// The cluster token a launch with a state directory generates there.
+pub const TOKEN_FILE: &str = "token";
+
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("state directory {dir}: {source}")]
+    Io { dir: PathBuf, source: std::io::Error },
+    #[error("{file}:{line}: {message}")]
+    Corrupt { file: PathBuf, line: usize, message: String },
+    #[error("{file}: {message}")]
+    Invalid { file: PathBuf, message: String },
+}
+
+/// What the workers load: a checkpoint directory or generated weights.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SourceRecord {
+    Checkpoint { dir: PathBuf },
+    Dummy { preset: String, layers: u32, seed: u64, bf16: bool },
+}
+
+impl SourceRecord {
+    pub fn from_pb(s: &pb::LoadSource) -> Option<Self> {
+        Some(match s.kind.as_ref()? {
+            pb::load_source::Kind::CheckpointDir(d) => Self::Checkpoint { dir: PathBuf::from(d) },
+            pb::load_source::Kind::Dummy(d) => Self::Dummy { preset: d.preset.clone(), layers: d.layers, seed: d.seed, bf16: d.bf16 },
+        })
+    }
+
+    pub fn to_pb(&self) -> pb::LoadSource {
+        let kind = match self {
+            Self::Checkpoint { dir } => pb::load_source::Kind::CheckpointDir(dir.display().to_string()),
+            Self::Dummy { preset, layers, seed, bf16 } => {
+                pb::load_source::Kind::Dummy(pb::DummySource { preset: preset.clone(), layers: *layers, seed: *seed, bf16: *bf16 })
+            }
+        };
+        pb::LoadSource { kind: Some(kind) }
+    }
+}
+
+/// One rank's worker as the launch started it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    pub id: u32,
+    pub dp: u32,
+    pub tp: u32,
+    /// The worker's gRPC address (`http://host:port`).
+    pub address: String,
+    pub pid: u32,
+    /// Its collective (ring) listener.
+    pub collective: String,
+}
+
+/// The plan a launch brought up.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanRecord {
+    /// The coordinator's listening address (a restarted coordinator binds it again, so the
+    /// workers' heartbeats reach it).
+    pub coordinator: String,
+    pub tp: u32,
+    pub dp: u32,
+    pub source: SourceRecord,
+    pub source_desc: String,
+    pub scale_rule: String,
+    /// Probe size `(tokens, latents, seed)`, if probes are configured.
+    pub probe: Option<(u32, u32, u64)>,
+    pub token_file: PathBuf,
+    pub workers: Vec<WorkerRecord>,
+    /// The version every replica loaded.
+    pub version: String,
+}
+
+/// A step of a rolling update on one replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Step {
+    /// Out of rotation, staging the new version.
+    Staging,
+    /// Staged and verified on every rank.
+    Verified,
+    /// Every rank swapped to the new version.
+    Committed,
+    /// The staged version was dropped; the replica kept its version.
+    Aborted,
+}
+
+/// One journal event.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    Launched(PlanRecord),
+    UpdateBegin {
+        update: u64,
+        from: SourceRecord,
+        to: SourceRecord,
+        new_version: String,
+        max_unavailable: u32,
+    },
+    UpdateStep {
+        update: u64,
+        dp: u32,
+        step: Step,
+    },
+    UpdateEnd {
+        update: u64,
+        ok: bool,
+        note: String,
+    },
+    /// A restarted coordinator took over the cluster.
+    Recovered {
+        note: String,
+    },
+    /// The cluster was shut down on purpose.
+    Shutdown,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Line {
+    seq: u64,
+    unix_ms: u64,
+    #[serde(flatten)]
+    event: Event,
+}
+
+/// An update that began and has not ended.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PendingUpdate {
+    pub update: u64,
+    pub from: SourceRecord,
+    pub to: SourceRecord,
+    pub new_version: String,
+    pub max_unavailable: u32,
+    /// The last step recorded for each replica.
+    pub steps: BTreeMap<u32, Step>,
+}
+
+/// The journal replayed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Replayed {
+    pub plan: PlanRecord,
+    /// The source every replica serves when no update is in flight (the last completed one).
+    pub current: SourceRecord,
+    /// Version of `current`.
+    pub current_version: String,
+    pub pending: Option<PendingUpdate>,
+    pub shut_down: bool,
+    pub last_update: u64,
+    /// A torn last line was ignored.
+    pub torn_tail: bool,
+}
+
+/// The open journal.
+pub struct Journal {
+    path: PathBuf,
+    file: Mutex<(File, u64)>,
+}
+
+impl Journal {
+    /// Starts a new journal in `dir` (created if needed); refuses a directory whose journal
+    /// describes a cluster that was not shut down (recover it instead).
+    pub fn create(dir: &Path) -> Result<Self, JournalError> {
+        let io = |source| JournalError::Io { dir: dir.to_path_buf(), source };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let path = dir.join(JOURNAL_FILE);
+        if path.exists() {
+            let replayed = replay(&path)?;
+            if let Some(r) = replayed
+                && !r.shut_down
+            {
+                return Err(JournalError::Invalid {
+                    file: path,
+                    message: format!(
+                        "holds a cluster that was not shut down (coordinator {}): run `orchestrator recover --state-dir {}` or remove the directory",
+                        r.plan.coordinator,
+                        dir.display()
+                    ),
+                });
+            }
+            std::fs::remove_file(&path).map_err(io)?;
+        }
+        let file = OpenOptions::new().create_new(true).append(true).open(&path).map_err(io)?;
+        Ok(Self { path, file: Mutex::new((file, 0)) })
+    }
+
+    /// Opens an existing journal to append to, after replaying it.
+    pub fn open(dir: &Path) -> Result<(Self, Replayed), JournalError> {
+        let path = dir.join(JOURNAL_FILE);
+        let replayed = replay(&path)?.ok_or_else(|| JournalError::Invalid {
+            file: path.clone(),
+            message: "records no launched cluster (nothing to recover)".into(),
+        })?;
+        let io = |source| JournalError::Io { dir: dir.to_path_buf(), source };
+        let file = OpenOptions::new().append(true).open(&path).map_err(io)?;
+        if replayed.torn_tail {
+            // Drop the torn tail so the next line starts clean.
+            let text = std::fs::read(&path).map_err(io)?;
+            let keep = text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+            file.set_len(keep as u64).map_err(io)?;
+        }
+        let lines = read_lines(&path)?.len() as u64;
+        Ok((Self { path, file: Mutex::new((file, lines)) }, replayed))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Appends one event and flushes it to disk before returning.
+    pub fn record(&self, event: Event) -> Result<(), JournalError> {
+        let mut guard = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        let (file, seq) = &mut *guard;
+        *seq += 1;
+        let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let mut text = serde_json::to_string(&Line { seq: *seq, unix_ms, event })
+            .map_err(|e| JournalError::Invalid { file: self.path.clone(), message: e.to_string() })?;
+        text.push('\n');
+        let io = |source| JournalError::Io { dir: self.path.parent().unwrap_or(Path::new(".")).to_path_buf(), source };
+        file.write_all(text.as_bytes()).map_err(io)?;
+        file.sync_data().map_err(io)
+    }
+
+    /// [`Journal::record`], logging instead of failing (a step that already happened on the
+    /// workers cannot be undone because the disk is full; the report says what happened).
+    pub fn note(&self, event: Event) {
+        if let Err(e) = self.record(event) {
+            tracing::error!("journal {}: {e}", self.path.display());
+            eprintln!("warning: could not write the journal {}: {e}", self.path.display());
+        }
+    }
+}
+
+/// The journal's lines; a last line without its newline is returned separately (torn).
+fn read_lines(path: &Path) -> Result<Vec<String>, JournalError> {
+    let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+    let file = File::open(path).map_err(|source| JournalError::Io { dir: dir.clone(), source })?;
+    BufReader::new(file).lines().collect::<Result<_, _>>().map_err(|source| JournalError::Io { dir, source })
+}
+
+/// Replays the journal at `path`: `None` when it records no launch.
+pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
+    let text =
+        std::fs::read(path).map_err(|source| JournalError::Io { dir: path.parent().unwrap_or(Path::new(".")).to_path_buf(), source })?;
+    let text = String::from_utf8_lossy(&text);
+    let complete = text.ends_with('\n') || text.is_empty();
+    let lines: Vec<&str> = text.lines().collect();
+    let mut state: Option<Replayed> = None;
+    let mut torn_tail = false;
+    for (i, line) in lines.iter().enumerate() {
+        let last = i + 1 == lines.len();
+        let corrupt = |message: String| JournalError::Corrupt { file: path.to_path_buf(), line: i + 1, message };
+        let parsed: Line = match serde_json::from_str(line) {
+            Ok(l) => l,
+            Err(_) if last && !complete => {
+                torn_tail = true;
+                break;
+            }
+            Err(e) => return Err(corrupt(e.to_string())),
+        };
+        if parsed.seq != i as u64 + 1 {
+            return Err(corrupt(format!("sequence number {} where {} was expected", parsed.seq, i + 1)));
+        }
+        match parsed.event {
+            Event::Launched(plan) => {
+                state = Some(Replayed {
+                    current: plan.source.clone(),
+                    current_version: plan.version.clone(),
+                    plan,
+                    pending: None,
+                    shut_down: false,
+                    last_update: 0,
+                    torn_tail: false,
+                });
+            }
+            other => {
+                let s = state.as_mut().ok_or_else(|| corrupt("an event before the launch record".into()))?;
+                match other {
+                    Event::Launched(_) => unreachable!("handled above"),
+                    Event::UpdateBegin { update, from, to, new_version, max_unavailable } => {
+                        if let Some(p) = &s.pending {
+                            return Err(corrupt(format!("update {update} begins while update {} has not ended", p.update)));
+                        }
+                        s.last_update = s.last_update.max(update);
+                        s.pending = Some(PendingUpdate { update, from, to, new_version, max_unavailable, steps: BTreeMap::new() });
+                    }
+                    Event::UpdateStep { update, dp, step } => match &mut s.pending {
+                        Some(p) if p.update == update && dp < s.plan.dp => {
+                            p.steps.insert(dp, step);
+                        }
+                        _ => return Err(corrupt(format!("a step of update {update} (replica dp{dp}) outside that update"))),
+                    },
+                    Event::UpdateEnd { update, ok, .. } => match s.pending.take() {
+                        Some(p) if p.update == update => {
+                            if ok {
+                                s.current = p.to;
+                                s.current_version = p.new_version;
+                            }
+                        }
+                        _ => return Err(corrupt(format!("update {update} ends without having begun"))),
+                    },
+                    Event::Recovered { .. } => s.shut_down = false,
+                    Event::Shutdown => s.shut_down = true,
+                }
+            }
+        }
+    }
+    if let Some(s) = state.as_mut() {
+        s.torn_tail = torn_tail;
+    }
+    Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan() -> PlanRecord {
+        PlanRecord {
+            coordinator: "127.0.0.1:5000".into(),
+            tp: 2,
+            dp: 2,
+            source: SourceRecord::Checkpoint { dir: "/ck/A".into() },
+            source_desc: "checkpoint /ck/A".into(),
+            scale_rule: "rceil".into(),
+            probe: Some((2, 16, 0)),
+            token_file: "/state/token".into(),
+            workers: (0..4)
+                .map(|id| WorkerRecord {
+                    id,
+                    dp: id / 2,
+                    tp: id % 2,
+                    address: format!("http://127.0.0.1:{}", 6000 + id),
+                    pid: 100 + id,
+                    collective: format!("127.0.0.1:{}", 7000 + id),
+                })
+                .collect(),
+            version: "va".into(),
+        }
+    }
+
+    fn begin(update: u64) -> Event {
+        Event::UpdateBegin {
+            update,
+            from: SourceRecord::Checkpoint { dir: "/ck/A".into() },
+            to: SourceRecord::Checkpoint { dir: "/ck/B".into() },
+            new_version: "vb".into(),
+            max_unavailable: 1,
+        }
+    }
+
+    #[test]
+    fn replays_a_pending_update_and_a_finished_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        j.record(Event::Launched(plan())).unwrap();
+        j.record(begin(1)).unwrap();
+        j.record(Event::UpdateStep { update: 1, dp: 0, step: Step::Staging }).unwrap();
+        j.record(Event::UpdateStep { update: 1, dp: 0, step: Step::Committed }).unwrap();
+        j.record(Event::UpdateStep { update: 1, dp: 1, step: Step::Staging }).unwrap();
+        let r = replay(j.path()).unwrap().unwrap();
+        assert_eq!(r.plan, plan());
+        assert_eq!(r.current_version, "va");
+        let p = r.pending.clone().unwrap();
+        assert_eq!((p.update, p.new_version.as_str()), (1, "vb"));
+        assert_eq!(p.steps, BTreeMap::from([(0, Step::Committed), (1, Step::Staging)]));
+        assert!(!r.shut_down && !r.torn_tail);
+
+        j.record(Event::UpdateEnd { update: 1, ok: true, note: String::new() }).unwrap();
+        let r = replay(j.path()).unwrap().unwrap();
+        assert_eq!(r.pending, None);
+        assert_eq!((r.current_version.as_str(), &r.current), ("vb", &SourceRecord::Checkpoint { dir: "/ck/B".into() }));
+        // A live cluster's directory is not reused by a new launch.
+        drop(j);
+        let e = Journal::create(tmp.path()).err().unwrap();
+        assert!(matches!(e, JournalError::Invalid { .. }) && e.to_string().contains("orchestrator recover"), "{e}");
+    }
+
+    #[test]
+    fn a_torn_last_line_is_dropped_and_appending_goes_on() {
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        j.record(Event::Launched(plan())).unwrap();
+        j.record(begin(1)).unwrap();
+        drop(j);
+        let path = tmp.path().join(JOURNAL_FILE);
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(b"{\"seq\":3,\"unix_ms\":1,\"event\":\"update_st").unwrap();
+        drop(f);
+        let (j, r) = Journal::open(tmp.path()).unwrap();
+        assert!(r.torn_tail);
+        assert_eq!(r.pending.as_ref().map(|p| p.update), Some(1));
+        j.record(Event::UpdateEnd { update: 1, ok: false, note: "rolled back".into() }).unwrap();
+        let r = replay(&path).unwrap().unwrap();
+        assert!(!r.torn_tail && r.pending.is_none());
+        assert_eq!(r.current_version, "va");
+    }
+
+    #[test]
+    fn damage_other_than_a_torn_tail_is_refused_with_the_line() {
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        j.record(Event::Launched(plan())).unwrap();
+        j.record(begin(1)).unwrap();
+        j.record(Event::Shutdown).unwrap();
+        let path = tmp.path().join(JOURNAL_FILE);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let cases = [
+            (text.replacen("\"seq\":2", "\"seq\":7", 1), 2, "sequence"),
+            (text.replacen("update_begin", "update_bgin", 1), 2, "unknown variant"),
+            (
+                text.lines().skip(1).map(|l| format!("{l}\n")).collect::<String>().replacen("\"seq\":2", "\"seq\":1", 1),
+                1,
+                "before the launch",
+            ),
+            (text.replacen("\"seq\":3,", "\"seq\":3,\"x\":", 1) + "", 3, ""),
+        ];
+        for (damaged, line, what) in cases {
+            std::fs::write(&path, &damaged).unwrap();
+            match replay(&path) {
+                Err(JournalError::Corrupt { line: l, message, file }) => {
+                    assert_eq!(l, line, "{message}");
+                    assert!(message.contains(what), "{message}");
+                    assert_eq!(file, path);
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+        // An update step outside any update.
+        std::fs::write(&path, &text).unwrap();
+        let (j, _) = Journal::open(tmp.path()).unwrap();
+        j.record(Event::UpdateStep { update: 9, dp: 0, step: Step::Staging }).unwrap();
+        assert!(matches!(replay(&path), Err(JournalError::Corrupt { line: 4, .. })));
+        assert!(matches!(Journal::open(&tmp.path().join("missing")), Err(JournalError::Io { .. })));
+    }
+}

@@ -1,0 +1,215 @@
+//! `orchestrator recover --state-dir DIR`: a coordinator restarted after the previous one died
+//! (killed, crashed, its host rebooted) takes the cluster over from the journal.
+//!
+//! It binds the address the workers heartbeat to (they keep serving for their grace period),
+//! adopts them by address and pid, asks every rank which version it holds and which it has
+//! staged, and resolves an update that was in flight: by default it finishes it (every replica
+//! not yet on the new version is staged, verified and swapped, as in any update), or with
+//! `--rollback` it returns every replica to the version before the update the same way.
+//! Whatever was staged when the coordinator died is aborted first, so nothing unverified can
+//! be swapped in. Then it reports and serves like `launch --serve`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use orchestrator_worker::auth::Token;
+use orchestrator_worker::probe::ProbeSpec;
+
+use crate::cluster::Cluster;
+use crate::consistency::ConsistencyReport;
+use crate::journal::{Event, Journal, Replayed, SourceRecord};
+use crate::launch::{Session, TokenFileGuard};
+use crate::server::Endpoint;
+use crate::update::{Rotation, UpdatePlan, rolling_update};
+
+/// How a recovery resolves an interrupted update.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resolve {
+    Finish,
+    Rollback,
+}
+
+/// The load source of a journal record, opened in the coordinator.
+fn open_source(s: &SourceRecord) -> anyhow::Result<orchestrator_worker::LoadSource> {
+    Ok(match s {
+        SourceRecord::Checkpoint { dir } => {
+            orchestrator_worker::LoadSource::open_checkpoint(dir).with_context(|| format!("opening checkpoint {}", dir.display()))?
+        }
+        SourceRecord::Dummy { preset, layers, seed, bf16 } => {
+            let config = orchestrator_model::ModelConfig::from_preset(preset.parse()?, Some(*layers as usize).filter(|&l| l > 0), *bf16)?;
+            orchestrator_worker::LoadSource::Dummy { config, generator: orchestrator_model::Generator::new(*seed) }
+        }
+    })
+}
+
+/// Each replica's version when all its ranks hold the same one (`None`: mixed or unknown), and
+/// a line per rank saying what it holds.
+async fn observe(cluster: &Cluster) -> anyhow::Result<(Vec<Option<String>>, Vec<String>)> {
+    let reports = cluster.reports().await.map_err(|f| {
+        anyhow::anyhow!("asking the adopted workers for their versions: {}", f.into_iter().map(|(_, e)| e).collect::<Vec<_>>().join("; "))
+    })?;
+    let mut lines = Vec::new();
+    let mut versions = Vec::new();
+    for dp in 0..cluster.dp {
+        let mut seen: Vec<String> = Vec::new();
+        for w in cluster.workers.iter().filter(|w| w.dp == dp) {
+            match reports.get(&w.id) {
+                Some(Ok(r)) => {
+                    let staged = if r.staged_version.is_empty() { String::new() } else { format!(", staged {}", r.staged_version) };
+                    lines.push(format!("{}: version {}{staged}", w.label(), r.checkpoint_version));
+                    seen.push(r.checkpoint_version.clone());
+                }
+                Some(Err(e)) => anyhow::bail!("{}: {e}", w.label()),
+                None => anyhow::bail!("{}: no report", w.label()),
+            }
+        }
+        versions.push(seen.windows(2).all(|w| w[0] == w[1]).then(|| seen.first().cloned()).flatten());
+    }
+    Ok((versions, lines))
+}
+
+/// Resolves the update the journal left in flight: whether it resolved, the source every
+/// replica now serves, the last update number, and the steps taken.
+#[allow(clippy::too_many_arguments)]
+async fn resolve(
+    cluster: &Cluster,
+    rotation: &Rotation,
+    journal: &Journal,
+    replayed: &Replayed,
+    config: &orchestrator_model::ModelConfig,
+    probe: ProbeSpec,
+    how: Resolve,
+    observed: &[Option<String>],
+) -> anyhow::Result<(bool, SourceRecord, u64, Vec<String>)> {
+    let mut steps = Vec::new();
+    let Some(pending) = &replayed.pending else {
+        if how == Resolve::Rollback {
+            steps.push("no update was in flight: nothing to roll back".into());
+        }
+        return Ok((true, replayed.current.clone(), replayed.last_update, steps));
+    };
+    let (target, target_version) = match how {
+        Resolve::Finish => (pending.to.clone(), pending.new_version.clone()),
+        Resolve::Rollback => (pending.from.clone(), replayed.current_version.clone()),
+    };
+    let verb = if how == Resolve::Finish { "finishing" } else { "rolling back" };
+    steps.push(format!(
+        "update {} ({} -> version {}) was interrupted; last steps: {}; {verb} it",
+        pending.update,
+        replayed.current_version,
+        pending.new_version,
+        if pending.steps.is_empty() {
+            "none".to_string()
+        } else {
+            pending.steps.iter().map(|(dp, s)| format!("dp{dp} {s:?}")).collect::<Vec<_>>().join(", ")
+        }
+    ));
+    // Nothing staged by the dead coordinator may be swapped in.
+    for dp in 0..cluster.dp {
+        cluster.abort(dp).await;
+    }
+    let behind: Vec<u32> = (0..cluster.dp).filter(|&dp| observed[dp as usize].as_deref() != Some(target_version.as_str())).collect();
+    if behind.is_empty() {
+        let ok = how == Resolve::Finish;
+        journal.record(Event::UpdateEnd {
+            update: pending.update,
+            ok,
+            note: format!("resolved after a coordinator restart: every replica already on {target_version}"),
+        })?;
+        steps.push(format!("every replica already holds {target_version}"));
+        return Ok((true, target, pending.update, steps));
+    }
+    let SourceRecord::Checkpoint { dir } = &target else {
+        anyhow::bail!("cannot {verb} update {}: its target is a dummy source, not a checkpoint directory", pending.update);
+    };
+    journal.record(Event::UpdateEnd {
+        update: pending.update,
+        ok: false,
+        note: format!("interrupted by a coordinator restart; update {} {verb} it", pending.update + 1),
+    })?;
+    let from = if how == Resolve::Finish { pending.from.clone() } else { pending.to.clone() };
+    let plan = UpdatePlan {
+        dir,
+        probe,
+        max_unavailable: pending.max_unavailable,
+        replicas: Some(behind.clone()),
+        journal: Some((journal, pending.update + 1, from)),
+    };
+    let outcome = rolling_update(cluster, rotation, config, plan).await;
+    steps.push(format!("update {}: replicas {behind:?} to {} ({verb})", pending.update + 1, dir.display()));
+    steps.extend(outcome.steps.iter().cloned());
+    Ok((outcome.ok, if outcome.ok { target } else { replayed.current.clone() }, pending.update + 1, steps))
+}
+
+/// Runs a recovery, then serves; returns whether the final report is clean.
+pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&ConsistencyReport)) -> anyhow::Result<bool> {
+    let start = Instant::now();
+    let (journal, replayed) = Journal::open(state_dir)?;
+    anyhow::ensure!(
+        !replayed.shut_down,
+        "{}: the cluster it records was shut down; nothing to recover (start one with `orchestrator launch`)",
+        journal.path().display()
+    );
+    let journal = Arc::new(journal);
+    let plan = replayed.plan.clone();
+    let token = Token::read(&plan.token_file)?;
+    let _token_file = TokenFileGuard(plan.token_file.starts_with(state_dir).then(|| plan.token_file.clone()));
+    let listen =
+        plan.coordinator.parse().with_context(|| format!("{}: coordinator address {}", journal.path().display(), plan.coordinator))?;
+    let endpoint = Endpoint::start(listen, token.clone()).await?;
+    eprintln!("coordinator recovered from {} on {}; adopting {} workers", journal.path().display(), endpoint.address, plan.workers.len());
+    let cluster = match Cluster::adopt(plan.tp, plan.dp, &plan.workers, endpoint.registry.clone(), token).await {
+        Ok(c) => c,
+        Err(f) => {
+            endpoint.stop().await;
+            anyhow::bail!(
+                "cannot adopt the cluster's workers (they stop on their own once their grace period passes): {}",
+                f.into_iter().map(|(_, e)| e).collect::<Vec<_>>().join("; ")
+            );
+        }
+    };
+    journal.record(Event::Recovered { note: format!("coordinator pid {} took over", std::process::id()) })?;
+    let (observed, ranks) = observe(&cluster).await?;
+    for line in &ranks {
+        eprintln!("  {line}");
+    }
+    let rotation = Arc::new(Rotation::observed(observed.clone()));
+    let source = open_source(&replayed.current)?;
+    let config = source.config().clone();
+    let probe = plan.probe.map(|(tokens, latents, seed)| ProbeSpec { tokens: tokens as usize, latents: latents as usize, seed });
+    let update_probe = probe.unwrap_or(ProbeSpec { tokens: 2, latents: 16, seed: 0 });
+    let (resolved, current_source, last_update, steps) =
+        resolve(&cluster, &rotation, &journal, &replayed, &config, update_probe, how, &observed).await?;
+    for step in &steps {
+        eprintln!("recover: {step}");
+    }
+    let source_desc = match &current_source {
+        SourceRecord::Checkpoint { dir } => format!("checkpoint {}", dir.display()),
+        SourceRecord::Dummy { .. } => plan.source_desc.clone(),
+    };
+    let mut session = Session {
+        cluster: Arc::new(cluster),
+        rotation,
+        config,
+        source_desc,
+        probe,
+        golden: None,
+        load_seconds: BTreeMap::new(),
+        timings: BTreeMap::new(),
+        journal: Some(journal),
+        current_source,
+        last_update,
+    };
+    let mut report = session.check(true).await;
+    report.timings.insert("recover".into(), start.elapsed().as_secs_f64());
+    emit_report(&report);
+    if !resolved {
+        eprintln!("recover: the interrupted update could not be resolved (see above); the cluster serves what each replica holds");
+    }
+    endpoint.serve(session, &plan.token_file).await;
+    endpoint.stop().await;
+    Ok(resolved && report.ok)
+}

@@ -1,0 +1,104 @@
+//! End to end: the coordinator SIGKILLed in the middle of a rolling update, then restarted
+//! from its state directory (`orchestrator recover`): it finds the workers again and finishes
+//! the update, or rolls it back; no rank is left on an unknown or mixed version.
+
+use std::path::Path;
+use std::time::Duration;
+
+use orchestrator_e2e::{Served, has_step, journal, rank_digests, run, stderr, stdout, synth_tiny, versions, wait_for_journal};
+use serde_json::Value;
+
+/// Launches TP 2 x DP 2 on A with a state directory, starts an update to B, and kills the
+/// coordinator once dp0 swapped to B and dp1 is mid-stage. Returns the (dead) cluster and the
+/// versions of A and B.
+fn kill_coordinator_mid_update(tmp: &Path) -> (Served, String, Value) {
+    let (a, b, state) = (tmp.join("A"), tmp.join("B"), tmp.join("state"));
+    synth_tiny(&a, "1");
+    synth_tiny(&b, "2");
+    let mut cluster = Served::start(&[
+        "--probe",
+        "2,16",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--checkpoint",
+        a.to_str().unwrap(),
+        "--allow-root",
+        tmp.to_str().unwrap(),
+        "--state-dir",
+        state.to_str().unwrap(),
+        // dp1/tp1 stages slowly: the kill lands while dp1 is staging.
+        "--inject-fault",
+        "3:slow-stage",
+    ]);
+    let before = cluster.report();
+    let update = cluster.update_in_background(&["--checkpoint", b.to_str().unwrap()]);
+    let events = wait_for_journal(&state, Duration::from_secs(60), |e| has_step(e, 0, "committed") && has_step(e, 1, "staging"));
+    cluster.kill_coordinator();
+    assert!(!events.iter().any(|e| e["event"] == "update_end"), "the kill must land mid-update: {events:#?}");
+    let o = update.wait_with_output().unwrap();
+    assert!(!o.status.success(), "the update client must see its coordinator die: {}", stdout(&o));
+    (cluster, versions(&before)[0].clone(), before)
+}
+
+#[test]
+fn a_restarted_coordinator_finishes_the_interrupted_update() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_dead, version_a, _) = kill_coordinator_mid_update(tmp.path());
+    let state = tmp.path().join("state");
+    // The workers kept serving meanwhile; the new coordinator adopts them and finishes.
+    let cluster = Served::recover(&state, &[]);
+    let after = cluster.report();
+    let events = journal(&state);
+    let begins: Vec<&Value> = events.iter().filter(|e| e["event"] == "update_begin").collect();
+    assert_eq!(begins.len(), 2, "the interrupted update and the one finishing it: {events:#?}");
+    let version_b = begins[0]["new_version"].as_str().unwrap();
+    assert_ne!(version_b, version_a);
+    assert!(versions(&after).iter().all(|v| v == version_b), "{after}");
+    assert_eq!(after["ok"], true, "{after}");
+    assert!(events.iter().any(|e| e["event"] == "recovered"));
+    let last = events.last().unwrap();
+    assert_eq!((&last["event"], &last["ok"], &last["update"]), (&Value::from("update_end"), &Value::from(true), &Value::from(2)));
+    // Only dp1 had to be redone.
+    assert!(events.iter().any(|e| e["event"] == "update_step" && e["update"] == 2 && e["dp"] == 1 && e["step"] == "committed"));
+    assert!(!events.iter().any(|e| e["event"] == "update_step" && e["update"] == 2 && e["dp"] == 0));
+    // The digests of a fresh launch on B.
+    let fresh = run(
+        "orchestrator",
+        &["launch", "--json", "--no-probe", "--tp", "2", "--dp", "2", "--checkpoint", tmp.path().join("B").to_str().unwrap()],
+    );
+    let fresh: Value = serde_json::from_slice(&fresh.stdout).unwrap();
+    assert_eq!(rank_digests(&after), rank_digests(&fresh));
+    // It serves: probes through the recovered coordinator, all on B.
+    let probes = cluster.probe_load("20", "1").wait_with_output().unwrap();
+    let probes: Value = serde_json::from_slice(&probes.stdout).unwrap();
+    assert_eq!(probes["failed"], 0, "{probes}");
+    assert_eq!(probes["by_version"][version_b]["served"], probes["served"], "{probes}");
+    // A clean shutdown closes the journal; there is nothing left to recover.
+    let o = cluster.cmd("shutdown", &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_for_journal(&state, Duration::from_secs(20), |e| e.last().is_some_and(|l| l["event"] == "shutdown"));
+    let o = run("orchestrator", &["recover", "--state-dir", state.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("was shut down; nothing to recover"), "{}", stderr(&o));
+}
+
+#[test]
+fn a_restarted_coordinator_rolls_the_interrupted_update_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_dead, version_a, before) = kill_coordinator_mid_update(tmp.path());
+    let state = tmp.path().join("state");
+    let cluster = Served::recover(&state, &["--rollback"]);
+    let after = cluster.report();
+    assert!(versions(&after).iter().all(|v| *v == version_a), "{after}");
+    assert_eq!(after["ok"], true, "{after}");
+    // Bit for bit what the cluster held before the update.
+    assert_eq!(rank_digests(&after), rank_digests(&before));
+    let events = journal(&state);
+    // dp0 (already on B) was taken back to A; dp1 never swapped.
+    assert!(events.iter().any(|e| e["event"] == "update_step" && e["update"] == 2 && e["dp"] == 0 && e["step"] == "committed"));
+    assert!(!events.iter().any(|e| e["event"] == "update_step" && e["dp"] == 1 && e["step"] == "committed"), "{events:#?}");
+    let last = events.last().unwrap();
+    assert_eq!((&last["event"], &last["ok"]), (&Value::from("update_end"), &Value::from(true)));
+}
