@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 use orchestrator_proto::v1 as pb;
 use orchestrator_proto::v1::worker_client::WorkerClient;
 use orchestrator_worker::auth::Token;
+use orchestrator_worker::tls::TlsFiles;
 use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// A worker that misses heartbeats this long has stopped answering.
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(4);
@@ -160,6 +161,8 @@ pub struct Cluster {
     /// One lock per TP group (replica): calls that use the group's ring (probes) or change its
     /// version (staging, commit) hold it, so they never interleave.
     pub group_locks: Vec<tokio::sync::Mutex<()>>,
+    /// The cluster's TLS files, when the control plane runs over TLS.
+    pub tls: Option<TlsFiles>,
 }
 
 /// A failure named by rank.
@@ -189,6 +192,7 @@ impl Cluster {
         token_file: &Path,
         allow_roots: &[PathBuf],
         grace: Duration,
+        tls: Option<TlsFiles>,
     ) -> anyhow::Result<Self> {
         let (bin, leading) = worker_command()?;
         let mut workers = Vec::new();
@@ -200,6 +204,7 @@ impl Cluster {
                 .arg(token_file)
                 .args(allow_roots.iter().flat_map(|r| [std::ffi::OsStr::new("--allow-root"), r.as_os_str()]))
                 .args(["--coordinator-grace", &grace.as_secs_f64().to_string()])
+                .args(tls.iter().flat_map(|t| [std::ffi::OsStr::new("--tls-dir"), t.dir.as_os_str()]))
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit())
@@ -216,7 +221,7 @@ impl Cluster {
             });
         }
         let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
-        Ok(Self { tp, dp, workers, registry, token, group_locks })
+        Ok(Self { tp, dp, workers, registry, token, group_locks, tls })
     }
 
     /// Takes over the workers a previous coordinator started (from its journal): registers
@@ -227,6 +232,7 @@ impl Cluster {
         records: &[crate::journal::WorkerRecord],
         registry: Arc<Registry>,
         token: Token,
+        tls: Option<TlsFiles>,
     ) -> Result<Self, Failures> {
         let mut workers = Vec::new();
         for r in records {
@@ -250,7 +256,7 @@ impl Cluster {
             });
         }
         let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
-        let mut cluster = Self { tp, dp, workers, registry, token, group_locks };
+        let mut cluster = Self { tp, dp, workers, registry, token, group_locks, tls };
         cluster.connect_registered().await?;
         Ok(cluster)
     }
@@ -344,9 +350,8 @@ impl Cluster {
     async fn connect_registered(&mut self) -> Result<(), Failures> {
         for w in &mut self.workers {
             let reg = self.registry.get(w.id).ok_or_else(|| vec![(w.id, format!("{} is not registered", w.label()))])?;
-            let endpoint = Endpoint::from_shared(reg.address.clone())
-                .map_err(|e| vec![(w.id, format!("{}: bad address {}: {e}", w.label(), reg.address))])?
-                .connect_timeout(Duration::from_secs(5));
+            let endpoint = orchestrator_worker::tls::endpoint(&reg.address, self.tls.as_ref())
+                .map_err(|e| vec![(w.id, format!("{}: {e}", w.label()))])?;
             let channel =
                 endpoint.connect().await.map_err(|e| vec![(w.id, format!("{}: connecting to {}: {e}", w.label(), reg.address))])?;
             w.client = Some(WorkerClient::new(channel).max_decoding_message_size(64 << 20));

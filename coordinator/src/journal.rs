@@ -86,6 +86,9 @@ pub struct PlanRecord {
     /// Probe size `(tokens, latents, seed)`, if probes are configured.
     pub probe: Option<(u32, u32, u64)>,
     pub token_file: PathBuf,
+    /// The cluster's TLS directory, when the control plane runs over TLS.
+    #[serde(default)]
+    pub tls_dir: Option<PathBuf>,
     pub workers: Vec<WorkerRecord>,
     /// The version every replica loaded.
     pub version: String,
@@ -344,6 +347,7 @@ mod tests {
             scale_rule: "rceil".into(),
             probe: Some((2, 16, 0)),
             token_file: "/state/token".into(),
+            tls_dir: None,
             workers: (0..4)
                 .map(|id| WorkerRecord {
                     id,

@@ -51,6 +51,8 @@ pub struct LaunchPlan {
     pub journal: Option<Arc<Journal>>,
     /// How long workers keep serving while the coordinator is unreachable.
     pub worker_grace: Duration,
+    /// Run the control plane over TLS with these files.
+    pub tls: Option<orchestrator_worker::tls::TlsFiles>,
 }
 
 /// Where the default checkpoint lives: `$ORCHESTRATOR_CACHE`, else `$XDG_CACHE_HOME/orchestrator`,
@@ -203,19 +205,20 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     // coordinator killed outright leaves it for `recover`).
     let _token_file = TokenFileGuard(plan.token_generated.then(|| plan.token_file.clone()));
     let mut timings = BTreeMap::new();
-    let endpoint = Endpoint::start(plan.listen, plan.token.clone()).await?;
+    let endpoint = Endpoint::start(plan.listen, plan.token.clone(), plan.tls.as_ref()).await?;
     let address = endpoint.address;
     eprintln!("coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);
 
     let mut cluster = Cluster::spawn(
         plan.tp,
         plan.dp,
-        &format!("http://{address}"),
+        &endpoint.url,
         endpoint.registry.clone(),
         plan.token.clone(),
         &plan.token_file,
         &plan.allow_roots,
         plan.worker_grace,
+        plan.tls.clone(),
     )?;
     let up = async {
         cluster.connect_all(Duration::from_secs(30)).await?;
@@ -285,6 +288,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
             scale_rule: plan.scale_rule.name().to_string(),
             probe: plan.probe.map(|p| (p.tokens as u32, p.latents as u32, p.seed)),
             token_file: plan.token_file.clone(),
+            tls_dir: plan.tls.as_ref().map(|t| t.dir.clone()),
             workers: cluster.records(),
             version: version.clone(),
         }))?;

@@ -19,6 +19,7 @@ use orchestrator_model::inspect::inspect;
 use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
 use orchestrator_model::{Checkpoint, ModelConfig, Preset};
 use orchestrator_worker::output::emit;
+use orchestrator_worker::tls::describe_status;
 
 #[derive(Parser)]
 #[command(
@@ -52,6 +53,9 @@ enum Command {
     /// Checkpoint tools.
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
+    /// TLS for clusters that listen beyond loopback.
+    #[command(subcommand)]
+    Tls(TlsCommand),
     /// The worker server, built in (the launcher uses it when `orchestrator-worker` is not
     /// installed next to this binary).
     #[command(hide = true)]
@@ -128,6 +132,27 @@ struct LaunchArgs {
     /// with --state-dir so that `recover` can find them).
     #[arg(long, value_name = "SECS")]
     worker_grace: Option<f64>,
+    /// Run the control plane (coordinator and workers) over TLS with the cluster's files in DIR
+    /// (`ca.pem`, `node.pem`, `node.key`; see `orchestrator tls generate`). Needed for a
+    /// non-loopback --listen.
+    #[arg(long, value_name = "DIR")]
+    tls_dir: Option<PathBuf>,
+    /// Allow a non-loopback --listen without TLS.
+    #[arg(long)]
+    insecure: bool,
+}
+
+#[derive(Subcommand)]
+enum TlsCommand {
+    /// Write a new cluster CA and node certificate (`ca.pem`, `ca.key`, `node.pem`, `node.key`)
+    /// for `--tls-dir`.
+    Generate {
+        #[arg(long)]
+        out: PathBuf,
+        /// Another host name or IP address the node certificate names (repeatable).
+        #[arg(long, value_name = "NAME")]
+        name: Vec<String>,
+    },
 }
 
 #[derive(Args)]
@@ -183,6 +208,9 @@ struct RemoteArgs {
     /// Report without re-running the probes.
     #[arg(long)]
     no_probe: bool,
+    /// The cluster's TLS directory (its `ca.pem`), for an `https://` coordinator.
+    #[arg(long, value_name = "DIR")]
+    tls_dir: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -373,6 +401,13 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
     if let orchestrator_worker::LoadSource::Safetensors(c) = &local {
         allow_roots.push(c.dir().to_path_buf());
     }
+    let tls = match &a.tls_dir {
+        Some(d) => {
+            Some(orchestrator_worker::tls::TlsFiles::load(&d.canonicalize().with_context(|| format!("--tls-dir {}", d.display()))?)?)
+        }
+        None => None,
+    };
+    orchestrator_worker::tls::check_listen(a.listen, tls.as_ref(), a.insecure, "--listen").map_err(anyhow::Error::msg)?;
     let state_dir = match &a.state_dir {
         Some(d) => {
             std::fs::create_dir_all(d).with_context(|| format!("--state-dir {}", d.display()))?;
@@ -410,6 +445,7 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
         allow_roots,
         journal,
         worker_grace,
+        tls,
         dump_dir: match &a.dump {
             Some(d) => {
                 std::fs::create_dir_all(d).with_context(|| format!("--dump {}", d.display()))?;
@@ -427,6 +463,24 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
             emit(&report.render());
         }
     }))
+}
+
+/// A channel to the coordinator `a` names (over TLS for `https://`).
+async fn remote_channel(a: &RemoteArgs) -> anyhow::Result<tonic::transport::Channel> {
+    let tls = a.tls_dir.as_deref().map(orchestrator_worker::tls::TlsFiles::load_client).transpose()?;
+    Ok(orchestrator_worker::tls::connect(&a.coordinator, tls.as_ref()).await?)
+}
+
+fn tls_generate(out: PathBuf, names: Vec<String>) -> anyhow::Result<bool> {
+    orchestrator_worker::tls::generate(&out, &names)?;
+    emit(&format!(
+        "wrote {}: ca.pem, ca.key, node.pem, node.key (node certificate for {}, localhost, loopback{}{})\n",
+        out.display(),
+        orchestrator_worker::tls::SERVER_NAME,
+        if names.is_empty() { "" } else { ", " },
+        names.join(", ")
+    ));
+    Ok(true)
 }
 
 fn recover_cmd(a: RecoverArgs) -> anyhow::Result<bool> {
@@ -448,12 +502,11 @@ fn remote_cmd(a: RemoteArgs, shutdown: bool) -> anyhow::Result<bool> {
     let token = a.token_file.as_deref().map(orchestrator_worker::auth::Token::read).transpose()?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async {
-        let endpoint = tonic::transport::Endpoint::from_shared(a.coordinator.clone())?.connect_timeout(std::time::Duration::from_secs(5));
-        let channel = endpoint.connect().await.with_context(|| format!("connecting to {}", a.coordinator))?;
+        let channel = remote_channel(&a).await?;
         let mut client = pb::coordinator_client::CoordinatorClient::new(channel).max_decoding_message_size(64 << 20);
         if shutdown {
             let req = orchestrator_worker::auth::request(pb::ShutdownRequest {}, std::time::Duration::from_secs(10), token.as_ref());
-            client.shutdown(req).await.map_err(|s| anyhow::anyhow!("shutdown: {}", s.message()))?;
+            client.shutdown(req).await.map_err(|s| anyhow::anyhow!("shutdown: {}", describe_status(&s, &a.coordinator)))?;
             emit("shutdown requested\n");
             return Ok(true);
         }
@@ -462,7 +515,7 @@ fn remote_cmd(a: RemoteArgs, shutdown: bool) -> anyhow::Result<bool> {
             std::time::Duration::from_secs(1800),
             token.as_ref(),
         );
-        let r = client.report(req).await.map_err(|s| anyhow::anyhow!("report: {}", s.message()))?.into_inner();
+        let r = client.report(req).await.map_err(|s| anyhow::anyhow!("report: {}", describe_status(&s, &a.coordinator)))?.into_inner();
         emit(&if a.json { format!("{}\n", r.json) } else { r.text });
         Ok(r.ok)
     })
@@ -475,8 +528,7 @@ async fn coordinator_client(
     Option<orchestrator_worker::auth::Token>,
 )> {
     let token = a.token_file.as_deref().map(orchestrator_worker::auth::Token::read).transpose()?;
-    let endpoint = tonic::transport::Endpoint::from_shared(a.coordinator.clone())?.connect_timeout(std::time::Duration::from_secs(5));
-    let channel = endpoint.connect().await.with_context(|| format!("connecting to {}", a.coordinator))?;
+    let channel = remote_channel(a).await?;
     Ok((orchestrator_proto::v1::coordinator_client::CoordinatorClient::new(channel).max_decoding_message_size(64 << 20), token))
 }
 
@@ -499,9 +551,9 @@ fn update_cmd(a: UpdateArgs) -> anyhow::Result<bool> {
                 tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => anyhow::anyhow!(
                     "update: lost the coordinator mid-update ({}): every rank holds the old or the verified new version; if it ran with \
                      --state-dir, `orchestrator recover --state-dir DIR` finishes the update (or rolls it back with --rollback)",
-                    s.message()
+                    describe_status(&s, &a.remote.coordinator)
                 ),
-                _ => anyhow::anyhow!("update: {}", s.message()),
+                _ => anyhow::anyhow!("update: {}", describe_status(&s, &a.remote.coordinator)),
             })?
             .into_inner();
         emit(&if a.remote.json { format!("{}\n", r.json) } else { r.text });
@@ -597,6 +649,7 @@ fn main() -> ExitCode {
         Command::Update(a) => update_cmd(a),
         Command::Probe(a) => probe_cmd(a),
         Command::Recover(a) => recover_cmd(a),
+        Command::Tls(TlsCommand::Generate { out, name }) => tls_generate(out, name),
         Command::WorkerServe(a) => a.run().map(|()| true),
         Command::Checkpoint(CheckpointCommand::Synth(a)) => synth(a),
         Command::Checkpoint(CheckpointCommand::Inspect(a)) => inspect_cmd(a),

@@ -159,9 +159,10 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
     let _token_file = TokenFileGuard(plan.token_file.starts_with(state_dir).then(|| plan.token_file.clone()));
     let listen =
         plan.coordinator.parse().with_context(|| format!("{}: coordinator address {}", journal.path().display(), plan.coordinator))?;
-    let endpoint = Endpoint::start(listen, token.clone()).await?;
+    let tls = plan.tls_dir.as_deref().map(orchestrator_worker::tls::TlsFiles::load).transpose()?;
+    let endpoint = Endpoint::start(listen, token.clone(), tls.as_ref()).await?;
     eprintln!("coordinator recovered from {} on {}; adopting {} workers", journal.path().display(), endpoint.address, plan.workers.len());
-    let cluster = match Cluster::adopt(plan.tp, plan.dp, &plan.workers, endpoint.registry.clone(), token).await {
+    let cluster = match Cluster::adopt(plan.tp, plan.dp, &plan.workers, endpoint.registry.clone(), token, tls).await {
         Ok(c) => c,
         Err(f) => {
             endpoint.stop().await;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use orchestrator_proto::v1::coordinator_server::CoordinatorServer;
 use orchestrator_worker::auth::Token;
+use orchestrator_worker::tls::TlsFiles;
 use tokio::sync::Notify;
 
 use crate::cluster::Registry;
@@ -17,6 +18,9 @@ use crate::service::CoordinatorService;
 /// A running Coordinator service.
 pub struct Endpoint {
     pub address: SocketAddr,
+    /// `http://ADDR`, or `https://ADDR` with TLS.
+    pub url: String,
+    pub tls: Option<TlsFiles>,
     pub registry: Arc<Registry>,
     /// The session `report`, `update` and probes act on, once the cluster is up.
     pub session: Arc<tokio::sync::Mutex<Option<Session>>>,
@@ -28,7 +32,7 @@ pub struct Endpoint {
 
 impl Endpoint {
     /// Binds `listen` and serves the Coordinator service, requiring `token` on every call.
-    pub async fn start(listen: SocketAddr, token: Token) -> anyhow::Result<Self> {
+    pub async fn start(listen: SocketAddr, token: Token, tls: Option<&TlsFiles>) -> anyhow::Result<Self> {
         let registry = Arc::new(Registry::default());
         let session = Arc::new(tokio::sync::Mutex::new(None));
         let shutdown = Arc::new(Notify::new());
@@ -40,7 +44,7 @@ impl Endpoint {
         };
         let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| anyhow::anyhow!("coordinator: binding {listen}: {e}"))?;
         let address = listener.local_addr()?;
-        let router = orchestrator_worker::grpc::standard_router::<CoordinatorServer<CoordinatorService>>().await?;
+        let router = orchestrator_worker::grpc::standard_router::<CoordinatorServer<CoordinatorService>>(tls).await?;
         let stop = Arc::new(Notify::new());
         let task = {
             let stop = stop.clone();
@@ -55,13 +59,17 @@ impl Endpoint {
                     }),
             )
         };
-        Ok(Self { address, registry, session, shutdown, stop, task })
+        let url = format!("{}://{address}", orchestrator_worker::tls::scheme(tls));
+        Ok(Self { address, url, tls: tls.cloned(), registry, session, shutdown, stop, task })
     }
 
     /// Serves `session` until the Shutdown RPC or Ctrl-C, then stops its workers (and records
     /// the shutdown in the journal).
     pub async fn serve(&self, session: Session, token_file: &Path) {
-        let auth = format!("--coordinator http://{} --token-file {}", self.address, token_file.display());
+        let mut auth = format!("--coordinator {} --token-file {}", self.url, token_file.display());
+        if let Some(t) = &self.tls {
+            auth.push_str(&format!(" --tls-dir {}", t.dir.display()));
+        }
         eprintln!("serving: `orchestrator report {auth}` re-runs the checks; `orchestrator shutdown {auth}` stops");
         *self.session.lock().await = Some(session);
         tokio::select! {

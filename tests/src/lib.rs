@@ -45,11 +45,13 @@ pub struct Served {
     pub child: Child,
     pub coordinator: String,
     pub token: String,
+    /// `--tls-dir DIR` when the cluster runs over TLS.
+    pub tls: Vec<String>,
 }
 
 impl Drop for Served {
     fn drop(&mut self) {
-        let _ = run("orchestrator", &["shutdown", "--coordinator", &self.coordinator, "--token-file", &self.token]);
+        let _ = self.cmd("shutdown", &[]);
         // Let it stop its workers (adopted ones are not its children) before killing it.
         let start = std::time::Instant::now();
         while matches!(self.child.try_wait(), Ok(None)) && start.elapsed() < std::time::Duration::from_secs(10) {
@@ -91,8 +93,12 @@ impl Served {
         }
         std::thread::spawn(move || for _ in lines {});
         let announced = announced.unwrap_or_else(|| panic!("`orchestrator {}` did not come up:\n{}", args.join(" "), seen.join("\n")));
-        let (coordinator, token) = announced.split_once(" --token-file ").unwrap();
-        Self { child, coordinator: coordinator.into(), token: token.into() }
+        let (coordinator, rest) = announced.split_once(" --token-file ").unwrap();
+        let (token, tls) = match rest.split_once(" --tls-dir ") {
+            Some((token, dir)) => (token, vec!["--tls-dir".to_string(), dir.to_string()]),
+            None => (rest, Vec::new()),
+        };
+        Self { child, coordinator: coordinator.into(), token: token.into(), tls }
     }
 
     /// Kills the coordinator process outright (its workers stay up).
@@ -104,12 +110,14 @@ impl Served {
     /// `orchestrator update ARGS` in the background.
     pub fn update_in_background(&self, extra: &[&str]) -> Child {
         let mut args = vec!["update", "--coordinator", self.coordinator.as_str(), "--token-file", self.token.as_str()];
+        args.extend(self.tls.iter().map(String::as_str));
         args.extend_from_slice(extra);
         Command::new(bin("orchestrator")).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
     }
 
     pub fn cmd(&self, command: &str, extra: &[&str]) -> std::process::Output {
         let mut args = vec![command, "--coordinator", self.coordinator.as_str(), "--token-file", self.token.as_str()];
+        args.extend(self.tls.iter().map(String::as_str));
         args.extend_from_slice(extra);
         run("orchestrator", &args)
     }
@@ -134,6 +142,7 @@ impl Served {
                 seconds,
                 "--json",
             ])
+            .args(&self.tls)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

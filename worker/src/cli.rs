@@ -27,12 +27,22 @@ pub struct ServeArgs {
     /// from its state directory finds the worker again meanwhile).
     #[arg(long, default_value_t = 3.0, value_name = "SECS")]
     pub coordinator_grace: f64,
+    /// Serve over TLS with the cluster's files in DIR (`ca.pem`, `node.pem`, `node.key`); the
+    /// coordinator address is then `https://`.
+    #[arg(long, value_name = "DIR")]
+    pub tls_dir: Option<std::path::PathBuf>,
+    /// Allow a non-loopback --listen address without TLS.
+    #[arg(long)]
+    pub insecure: bool,
 }
 
 impl ServeArgs {
     /// Serves until shut down.
     pub fn run(self) -> anyhow::Result<()> {
+        let tls = self.tls_dir.as_deref().map(crate::tls::TlsFiles::load).transpose()?;
+        crate::tls::check_listen(self.listen, tls.as_ref(), self.insecure, "--listen").map_err(anyhow::Error::msg)?;
         crate::server::run(crate::server::ServeConfig {
+            tls,
             listen: self.listen,
             coordinator: self.coordinator,
             worker_id: self.worker_id,

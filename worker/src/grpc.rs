@@ -11,8 +11,9 @@ use tonic_health::ServingStatus;
 /// Longest any request may run on the server side.
 pub const SERVER_REQUEST_TIMEOUT: Duration = Duration::from_secs(1800);
 
-/// A router with health checking and reflection; the caller adds its service `S`.
-pub async fn standard_router<S: NamedService>() -> anyhow::Result<Router> {
+/// A router with health checking and reflection, over TLS when `tls` is given; the caller adds
+/// its service `S`.
+pub async fn standard_router<S: NamedService>(tls: Option<&crate::tls::TlsFiles>) -> anyhow::Result<Router> {
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status(S::NAME, ServingStatus::Serving).await;
     let reflection = || {
@@ -20,7 +21,11 @@ pub async fn standard_router<S: NamedService>() -> anyhow::Result<Router> {
             .register_encoded_file_descriptor_set(orchestrator_proto::v1::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
     };
-    Ok(tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = tls {
+        builder = builder.tls_config(t.server_config()).map_err(|e| anyhow::anyhow!("TLS files in {}: {e}", t.dir.display()))?;
+    }
+    Ok(builder
         .timeout(SERVER_REQUEST_TIMEOUT)
         .add_service(health_service)
         .add_service(reflection().build_v1()?)

@@ -17,6 +17,7 @@ pub mod report;
 pub mod roundtrip;
 pub mod server;
 pub mod source;
+pub mod tls;
 
 pub use identity::LayoutIdentity;
 pub use loader::{LoadError, RankLoader, RankWeights};

@@ -471,23 +471,25 @@ pub struct ServeConfig {
     /// How long the worker keeps serving while its coordinator is unreachable (a restarted
     /// coordinator finds it again within this time); then it stops.
     pub coordinator_grace: Duration,
+    /// Serve (and call the coordinator) over TLS with these files.
+    pub tls: Option<crate::tls::TlsFiles>,
 }
 
 /// Serves the worker until shut down (by RPC, by the coordinator going away, or by a signal).
 pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
-    let ServeConfig { listen, coordinator, worker_id, token, roots, coordinator_grace } = config;
+    let ServeConfig { listen, coordinator, worker_id, token, roots, coordinator_grace, tls } = config;
     let shutdown = Arc::new(Notify::new());
     let service = WorkerService::new(shutdown.clone(), roots);
     let listener = tokio::net::TcpListener::bind(listen).await?;
     let address = listener.local_addr()?;
-    let router = crate::grpc::standard_router::<WorkerServer<WorkerService>>().await?;
+    let router = crate::grpc::standard_router::<WorkerServer<WorkerService>>(tls.as_ref()).await?;
     tracing::info!(%address, worker_id, "worker serving");
 
     if let Some(coord) = coordinator.clone() {
-        let mut client = CoordinatorClient::connect(coord.clone()).await?;
+        let mut client = CoordinatorClient::new(crate::tls::connect(&coord, tls.as_ref()).await?);
         let registration = pb::RegisterRequest {
             worker_id,
-            address: format!("http://{address}"),
+            address: format!("{}://{address}", crate::tls::scheme(tls.as_ref())),
             host: host_name(),
             device: "cpu".into(),
             pid: std::process::id(),
