@@ -257,7 +257,9 @@ impl Cluster {
         }
         let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
         let mut cluster = Self { tp, dp, workers, registry, token, group_locks, tls };
-        cluster.connect_registered().await?;
+        // Lazily: a worker that died meanwhile fails its calls (and is named), it does not stop
+        // the others from being adopted.
+        cluster.connect_registered(true).await?;
         Ok(cluster)
     }
 
@@ -343,17 +345,20 @@ impl Cluster {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        self.connect_registered().await
+        self.connect_registered(false).await
     }
 
-    /// Connects to every registered worker.
-    async fn connect_registered(&mut self) -> Result<(), Failures> {
+    /// Connects to every registered worker (`lazy`: on first use).
+    async fn connect_registered(&mut self, lazy: bool) -> Result<(), Failures> {
         for w in &mut self.workers {
             let reg = self.registry.get(w.id).ok_or_else(|| vec![(w.id, format!("{} is not registered", w.label()))])?;
             let endpoint = orchestrator_worker::tls::endpoint(&reg.address, self.tls.as_ref())
                 .map_err(|e| vec![(w.id, format!("{}: {e}", w.label()))])?;
-            let channel =
-                endpoint.connect().await.map_err(|e| vec![(w.id, format!("{}: connecting to {}: {e}", w.label(), reg.address))])?;
+            let channel = if lazy {
+                endpoint.connect_lazy()
+            } else {
+                endpoint.connect().await.map_err(|e| vec![(w.id, format!("{}: connecting to {}: {e}", w.label(), reg.address))])?
+            };
             w.client = Some(WorkerClient::new(channel).max_decoding_message_size(64 << 20));
         }
         Ok(())

@@ -45,30 +45,51 @@ fn open_source(s: &SourceRecord) -> anyhow::Result<orchestrator_worker::LoadSour
     })
 }
 
-/// Each replica's version when all its ranks hold the same one (`None`: mixed or unknown), and
-/// a line per rank saying what it holds.
-async fn observe(cluster: &Cluster) -> anyhow::Result<(Vec<Option<String>>, Vec<String>)> {
-    let reports = cluster.reports().await.map_err(|f| {
-        anyhow::anyhow!("asking the adopted workers for their versions: {}", f.into_iter().map(|(_, e)| e).collect::<Vec<_>>().join("; "))
-    })?;
-    let mut lines = Vec::new();
-    let mut versions = Vec::new();
+/// What the adopted ranks hold.
+struct Observed {
+    /// Each replica's version when all its ranks answer and hold the same one.
+    versions: Vec<Option<String>>,
+    /// Replicas with a rank that did not answer (dead or unreachable), with why.
+    unreachable: BTreeMap<u32, String>,
+    /// A line per rank.
+    lines: Vec<String>,
+}
+
+async fn observe(cluster: &Cluster) -> Observed {
+    let mut o = Observed { versions: Vec::new(), unreachable: BTreeMap::new(), lines: Vec::new() };
     for dp in 0..cluster.dp {
+        let reports = match cluster.reports_in(Some(dp), false).await {
+            Ok(r) => r,
+            Err(f) => {
+                let why = f.into_iter().map(|(_, e)| e).collect::<Vec<_>>().join("; ");
+                o.lines.push(format!("replica dp{dp}: {why}"));
+                o.unreachable.insert(dp, why);
+                o.versions.push(None);
+                continue;
+            }
+        };
         let mut seen: Vec<String> = Vec::new();
         for w in cluster.workers.iter().filter(|w| w.dp == dp) {
             match reports.get(&w.id) {
                 Some(Ok(r)) => {
                     let staged = if r.staged_version.is_empty() { String::new() } else { format!(", staged {}", r.staged_version) };
-                    lines.push(format!("{}: version {}{staged}", w.label(), r.checkpoint_version));
+                    o.lines.push(format!("{}: version {}{staged}", w.label(), r.checkpoint_version));
                     seen.push(r.checkpoint_version.clone());
                 }
-                Some(Err(e)) => anyhow::bail!("{}: {e}", w.label()),
-                None => anyhow::bail!("{}: no report", w.label()),
+                Some(Err(e)) => {
+                    o.lines.push(format!("{}: {e}", w.label()));
+                    o.unreachable.insert(dp, e.clone());
+                }
+                None => {
+                    o.lines.push(format!("{}: no report", w.label()));
+                    o.unreachable.insert(dp, format!("{}: no report", w.label()));
+                }
             }
         }
-        versions.push(seen.windows(2).all(|w| w[0] == w[1]).then(|| seen.first().cloned()).flatten());
+        let whole = !o.unreachable.contains_key(&dp) && seen.windows(2).all(|w| w[0] == w[1]);
+        o.versions.push(whole.then(|| seen.first().cloned()).flatten());
     }
-    Ok((versions, lines))
+    o
 }
 
 /// Resolves the update the journal left in flight: whether it resolved, the source every
@@ -82,7 +103,7 @@ async fn resolve(
     config: &orchestrator_model::ModelConfig,
     probe: ProbeSpec,
     how: Resolve,
-    observed: &[Option<String>],
+    observed: &Observed,
 ) -> anyhow::Result<(bool, SourceRecord, u64, Vec<String>)> {
     let mut steps = Vec::new();
     let Some(pending) = &replayed.pending else {
@@ -111,16 +132,24 @@ async fn resolve(
     for dp in 0..cluster.dp {
         cluster.abort(dp).await;
     }
-    let behind: Vec<u32> = (0..cluster.dp).filter(|&dp| observed[dp as usize].as_deref() != Some(target_version.as_str())).collect();
+    // A replica with a rank that does not answer cannot be staged: it stays out of rotation.
+    for (dp, why) in &observed.unreachable {
+        steps.push(format!("replica dp{dp}: left out of rotation, a rank does not answer: {why}"));
+    }
+    let complete = observed.unreachable.is_empty();
+    let behind: Vec<u32> = (0..cluster.dp)
+        .filter(|dp| !observed.unreachable.contains_key(dp))
+        .filter(|&dp| observed.versions[dp as usize].as_deref() != Some(target_version.as_str()))
+        .collect();
     if behind.is_empty() {
-        let ok = how == Resolve::Finish;
+        let ok = how == Resolve::Finish && complete;
         journal.record(Event::UpdateEnd {
             update: pending.update,
             ok,
             note: format!("resolved after a coordinator restart: every replica already on {target_version}"),
         })?;
-        steps.push(format!("every replica already holds {target_version}"));
-        return Ok((true, target, pending.update, steps));
+        steps.push(format!("every answering replica already holds {target_version}"));
+        return Ok((complete, target, pending.update, steps));
     }
     let SourceRecord::Checkpoint { dir } = &target else {
         anyhow::bail!("cannot {verb} update {}: its target is a dummy source, not a checkpoint directory", pending.update);
@@ -141,7 +170,7 @@ async fn resolve(
     let outcome = rolling_update(cluster, rotation, config, plan).await;
     steps.push(format!("update {}: replicas {behind:?} to {} ({verb})", pending.update + 1, dir.display()));
     steps.extend(outcome.steps.iter().cloned());
-    Ok((outcome.ok, if outcome.ok { target } else { replayed.current.clone() }, pending.update + 1, steps))
+    Ok((outcome.ok && complete, if outcome.ok { target } else { replayed.current.clone() }, pending.update + 1, steps))
 }
 
 /// Runs a recovery, then serves; returns whether the final report is clean.
@@ -173,11 +202,11 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
         }
     };
     journal.record(Event::Recovered { note: format!("coordinator pid {} took over", std::process::id()) })?;
-    let (observed, ranks) = observe(&cluster).await?;
-    for line in &ranks {
+    let observed = observe(&cluster).await;
+    for line in &observed.lines {
         eprintln!("  {line}");
     }
-    let rotation = Arc::new(Rotation::observed(observed.clone()));
+    let rotation = Arc::new(Rotation::observed(observed.versions.clone()));
     let source = open_source(&replayed.current)?;
     let config = source.config().clone();
     let probe = plan.probe.map(|(tokens, latents, seed)| ProbeSpec { tokens: tokens as usize, latents: latents as usize, seed });

@@ -11,7 +11,7 @@ use serde_json::Value;
 /// Launches TP 2 x DP 2 on A with a state directory, starts an update to B, and kills the
 /// coordinator once dp0 swapped to B and dp1 is mid-stage. Returns the (dead) cluster and the
 /// versions of A and B.
-fn kill_coordinator_mid_update(tmp: &Path) -> (Served, String, Value) {
+fn kill_coordinator_mid_update(tmp: &Path) -> (Served, String, Value, Vec<Value>) {
     let (a, b, state) = (tmp.join("A"), tmp.join("B"), tmp.join("state"));
     synth_tiny(&a, "1");
     synth_tiny(&b, "2");
@@ -39,13 +39,13 @@ fn kill_coordinator_mid_update(tmp: &Path) -> (Served, String, Value) {
     assert!(!events.iter().any(|e| e["event"] == "update_end"), "the kill must land mid-update: {events:#?}");
     let o = update.wait_with_output().unwrap();
     assert!(!o.status.success(), "the update client must see its coordinator die: {}", stdout(&o));
-    (cluster, versions(&before)[0].clone(), before)
+    (cluster, versions(&before)[0].clone(), before, events)
 }
 
 #[test]
 fn a_restarted_coordinator_finishes_the_interrupted_update() {
     let tmp = tempfile::tempdir().unwrap();
-    let (_dead, version_a, _) = kill_coordinator_mid_update(tmp.path());
+    let (_dead, version_a, _, _) = kill_coordinator_mid_update(tmp.path());
     let state = tmp.path().join("state");
     // The workers kept serving meanwhile; the new coordinator adopts them and finishes.
     let cluster = Served::recover(&state, &[]);
@@ -87,7 +87,7 @@ fn a_restarted_coordinator_finishes_the_interrupted_update() {
 #[test]
 fn a_restarted_coordinator_rolls_the_interrupted_update_back() {
     let tmp = tempfile::tempdir().unwrap();
-    let (_dead, version_a, before) = kill_coordinator_mid_update(tmp.path());
+    let (_dead, version_a, before, _) = kill_coordinator_mid_update(tmp.path());
     let state = tmp.path().join("state");
     let cluster = Served::recover(&state, &["--rollback"]);
     let after = cluster.report();
@@ -101,4 +101,34 @@ fn a_restarted_coordinator_rolls_the_interrupted_update_back() {
     assert!(!events.iter().any(|e| e["event"] == "update_step" && e["dp"] == 1 && e["step"] == "committed"), "{events:#?}");
     let last = events.last().unwrap();
     assert_eq!((&last["event"], &last["ok"]), (&Value::from("update_end"), &Value::from(true)));
+}
+
+/// The coordinator and a worker of the replica being staged both die: the restarted
+/// coordinator adopts the rest, names the dead rank, keeps its replica out of rotation, and
+/// serves on the replica already on B.
+#[test]
+fn a_restarted_coordinator_names_a_worker_that_died_meanwhile_and_serves_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_dead, version_a, _, events) = kill_coordinator_mid_update(tmp.path());
+    let state = tmp.path().join("state");
+    let victim = events[0]["workers"].as_array().unwrap().iter().find(|w| w["id"] == 3).unwrap()["pid"].as_u64().unwrap();
+    assert!(std::process::Command::new("kill").args(["-KILL", &victim.to_string()]).status().unwrap().success());
+    std::thread::sleep(Duration::from_millis(200));
+    let cluster = Served::recover(&state, &[]);
+    let version_b = events.iter().find(|e| e["event"] == "update_begin").unwrap()["new_version"].as_str().unwrap().to_string();
+    assert_ne!(version_a, version_b);
+    // dp0 (already swapped) serves B; dp1 is out of rotation.
+    let probes = cluster.probe_load("20", "1").wait_with_output().unwrap();
+    let probes: Value = serde_json::from_slice(&probes.stdout).unwrap();
+    assert_eq!(probes["failed"], 0, "{probes}");
+    assert_eq!(probes["by_replica"]["dp0"]["served"], probes["served"], "{probes}");
+    assert_eq!(probes["by_version"][version_b.as_str()]["served"], probes["served"], "{probes}");
+    // The report names the dead rank; the update is closed as not finished.
+    let o = cluster.cmd("report", &["--json", "--no-probe"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stdout(&o).contains("dp1/tp1"), "{}", stdout(&o));
+    let events = journal(&state);
+    let end = events.iter().rev().find(|e| e["event"] == "update_end").unwrap();
+    assert_eq!(end["ok"], false, "{events:#?}");
+    assert!(!has_step(&events[events.iter().position(|e| e["event"] == "recovered").unwrap()..], 1, "committed"));
 }
