@@ -19,7 +19,7 @@ use orchestrator_model::inspect::inspect;
 use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
 use orchestrator_model::{Checkpoint, ModelConfig, Preset};
 use orchestrator_worker::output::emit;
-use orchestrator_worker::tls::describe_status;
+use orchestrator_worker::tls::{describe_first_call, describe_status};
 
 #[derive(Parser)]
 #[command(
@@ -506,7 +506,7 @@ fn remote_cmd(a: RemoteArgs, shutdown: bool) -> anyhow::Result<bool> {
         let mut client = pb::coordinator_client::CoordinatorClient::new(channel).max_decoding_message_size(64 << 20);
         if shutdown {
             let req = orchestrator_worker::auth::request(pb::ShutdownRequest {}, std::time::Duration::from_secs(10), token.as_ref());
-            client.shutdown(req).await.map_err(|s| anyhow::anyhow!("shutdown: {}", describe_status(&s, &a.coordinator)))?;
+            client.shutdown(req).await.map_err(|s| anyhow::anyhow!("shutdown: {}", describe_first_call(&s, &a.coordinator)))?;
             emit("shutdown requested\n");
             return Ok(true);
         }
@@ -515,7 +515,7 @@ fn remote_cmd(a: RemoteArgs, shutdown: bool) -> anyhow::Result<bool> {
             std::time::Duration::from_secs(1800),
             token.as_ref(),
         );
-        let r = client.report(req).await.map_err(|s| anyhow::anyhow!("report: {}", describe_status(&s, &a.coordinator)))?.into_inner();
+        let r = client.report(req).await.map_err(|s| anyhow::anyhow!("report: {}", describe_first_call(&s, &a.coordinator)))?.into_inner();
         emit(&if a.json { format!("{}\n", r.json) } else { r.text });
         Ok(r.ok)
     })
@@ -551,9 +551,9 @@ fn update_cmd(a: UpdateArgs) -> anyhow::Result<bool> {
                 tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => anyhow::anyhow!(
                     "update: lost the coordinator mid-update ({}): every rank holds the old or the verified new version; if it ran with \
                      --state-dir, `orchestrator recover --state-dir DIR` finishes the update (or rolls it back with --rollback)",
-                    describe_status(&s, &a.remote.coordinator)
+                    describe_status(&s)
                 ),
-                _ => anyhow::anyhow!("update: {}", describe_status(&s, &a.remote.coordinator)),
+                _ => anyhow::anyhow!("update: {}", describe_first_call(&s, &a.remote.coordinator)),
             })?
             .into_inner();
         emit(&if a.remote.json { format!("{}\n", r.json) } else { r.text });

@@ -63,9 +63,10 @@ impl Endpoint {
         Ok(Self { address, url, tls: tls.cloned(), registry, session, shutdown, stop, task })
     }
 
-    /// Serves `session` until the Shutdown RPC or Ctrl-C, then stops its workers (and records
+    /// Serves `session` until the Shutdown RPC, Ctrl-C or SIGTERM, then stops its workers (and records
     /// the shutdown in the journal).
     pub async fn serve(&self, session: Session, token_file: &Path) {
+        let signal = orchestrator_worker::grpc::shutdown_signal();
         let mut auth = format!("--coordinator {} --token-file {}", self.url, token_file.display());
         if let Some(t) = &self.tls {
             auth.push_str(&format!(" --tls-dir {}", t.dir.display()));
@@ -74,7 +75,7 @@ impl Endpoint {
         *self.session.lock().await = Some(session);
         tokio::select! {
             _ = self.shutdown.notified() => {}
-            _ = tokio::signal::ctrl_c() => {}
+            _ = signal => {}
         }
         if let Some(session) = self.session.lock().await.take() {
             session.cluster.shutdown().await;

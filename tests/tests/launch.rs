@@ -201,3 +201,29 @@ fn serve_report_kill_and_shutdown() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// SIGTERM (what Kubernetes and Slurm send) stops a served cluster gracefully: the workers are
+/// shut down, the generated token file is removed, and the coordinator exits.
+#[test]
+fn sigterm_stops_a_served_cluster_and_its_workers() {
+    let mut cluster = Served::start(&["--tp", "2", "--dummy", "--preset", "tiny", "--layers", "1", "--no-probe"]);
+    let doc = cluster.report();
+    let pids: Vec<u64> = doc["ranks"].as_array().unwrap().iter().map(|r| r["pid"].as_u64().unwrap()).collect();
+    assert_eq!(pids.len(), 2);
+    let term = Command::new("kill").args(["-TERM", &cluster.child.id().to_string()]).status().unwrap();
+    assert!(term.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = cluster.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the coordinator did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(0));
+    for pid in pids {
+        let alive = std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.rsplit_once(") ").unwrap().1.starts_with('Z'));
+        assert!(!alive, "worker {pid} outlived its coordinator");
+    }
+    assert!(!std::path::Path::new(&cluster.token).exists(), "the generated token file {} was left behind", cluster.token);
+}

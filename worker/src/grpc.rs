@@ -11,6 +11,38 @@ use tonic_health::ServingStatus;
 /// Longest any request may run on the server side.
 pub const SERVER_REQUEST_TIMEOUT: Duration = Duration::from_secs(1800);
 
+/// A future that resolves on Ctrl-C or SIGTERM (what Kubernetes and Slurm send before
+/// killing): the servers' graceful-shutdown trigger. The handlers are installed when this is
+/// called, so a signal that arrives before the future is first polled is not lost (and does not
+/// kill the process). Call it inside the runtime.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (int, term) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()));
+        async move {
+            match (int, term) {
+                (Ok(mut int), Ok(mut term)) => {
+                    tokio::select! {
+                        _ = int.recv() => {}
+                        _ = term.recv() => {}
+                    }
+                }
+                (int, term) => {
+                    tracing::warn!("cannot watch signals: {:?} {:?}", int.err(), term.err());
+                    std::future::pending::<()>().await;
+                }
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
 /// A router with health checking and reflection, over TLS when `tls` is given; the caller adds
 /// its service `S`.
 pub async fn standard_router<S: NamedService>(tls: Option<&crate::tls::TlsFiles>) -> anyhow::Result<Router> {

@@ -479,6 +479,7 @@ pub struct ServeConfig {
 pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let ServeConfig { listen, coordinator, worker_id, token, roots, coordinator_grace, tls } = config;
     let shutdown = Arc::new(Notify::new());
+    let signal = crate::grpc::shutdown_signal();
     let service = WorkerService::new(shutdown.clone(), roots);
     let listener = tokio::net::TcpListener::bind(listen).await?;
     let address = listener.local_addr()?;
@@ -509,7 +510,7 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         .serve_with_incoming_shutdown(incoming, async move {
             tokio::select! {
                 _ = shutdown.notified() => {}
-                _ = tokio::signal::ctrl_c() => {}
+                _ = signal => {}
             }
         })
         .await?;

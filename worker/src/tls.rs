@@ -122,9 +122,15 @@ fn with_causes(mut message: String, mut source: Option<&dyn std::error::Error>) 
     message
 }
 
-/// A failed call's status with its causes, and a hint when a plain-text client met a TLS server.
-pub fn describe_status(s: &tonic::Status, url: &str) -> String {
-    let text = with_causes(s.message().to_string(), std::error::Error::source(s));
+/// A failed call's status with its causes.
+pub fn describe_status(s: &tonic::Status) -> String {
+    with_causes(s.message().to_string(), std::error::Error::source(s))
+}
+
+/// [`describe_status`] for a connection's first call, with a hint when a plain-text client may
+/// have met a TLS server (the connection breaks at the first request).
+pub fn describe_first_call(s: &tonic::Status, url: &str) -> String {
+    let text = describe_status(s);
     let transport = matches!(s.code(), tonic::Code::Unknown | tonic::Code::Internal | tonic::Code::Unavailable);
     if transport && url.starts_with("http://") {
         format!("{text} (if the cluster runs over TLS, use https:// and --tls-dir)")
