@@ -59,6 +59,31 @@ fn a_cluster_over_tls_serves_only_clients_that_trust_its_ca() {
     assert!(stderr(&o).contains("--tls-dir"), "{}", stderr(&o));
 }
 
+/// A coordinator restarted from its state directory serves over TLS again, and its workers
+/// (which re-register over TLS) answer it.
+#[test]
+fn a_recovered_coordinator_keeps_tls() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (tls, state) = (tmp.path().join("tls"), tmp.path().join("state"));
+    generate(&tls);
+    let args = ["--tp", "2", "--dummy", "--preset", "tiny", "--layers", "1", "--tls-dir", tls.to_str().unwrap(), "--state-dir"];
+    let mut args = args.to_vec();
+    args.push(state.to_str().unwrap());
+    let mut first = Served::start(&args);
+    let before = first.report();
+    first.kill_coordinator();
+    let cluster = Served::recover(&state, &[]);
+    assert!(cluster.coordinator.starts_with("https://") && cluster.coordinator == first.coordinator, "{}", cluster.coordinator);
+    let after = cluster.report();
+    assert_eq!(after["ok"], true, "{after}");
+    assert_eq!(orchestrator_e2e::rank_digests(&after), orchestrator_e2e::rank_digests(&before));
+    assert_eq!(
+        after["ranks"].as_array().unwrap().iter().map(|r| &r["pid"]).collect::<Vec<_>>(),
+        before["ranks"].as_array().unwrap().iter().map(|r| &r["pid"]).collect::<Vec<_>>(),
+        "the same worker processes"
+    );
+}
+
 #[test]
 fn listening_beyond_loopback_needs_tls() {
     let o = run("orchestrator", &["launch", "--tp", "1", "--dummy", "--preset", "tiny", "--layers", "1", "--listen", "0.0.0.0:0"]);
