@@ -11,6 +11,8 @@ pub mod golden;
 pub mod grpc;
 pub mod identity;
 pub mod loader;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod output;
 pub mod probe;
 pub mod report;

@@ -85,3 +85,29 @@ fn gpu_probe_equals_cpu_probe() {
         }
     }
 }
+
+#[test]
+fn nccl_world_of_one_all_reduces_and_a_missing_peer_times_out() {
+    use orchestrator_worker::collective::Collective;
+    use orchestrator_worker::nccl::NcclCollective;
+    use std::time::{Duration, Instant};
+    let Some(gpu) = gpu() else { return };
+    // World size 1 through the real NCCL API: the sum of one rank is its data.
+    let id = NcclCollective::unique_id().unwrap();
+    let mut one = NcclCollective::join(&gpu, &id, 0, 1, Duration::from_secs(30)).unwrap();
+    let want: Vec<f32> = (0..1000).map(|i| i as f32 * 0.37 - 11.0).collect();
+    let mut data = want.clone();
+    one.all_reduce_sum(&mut data).unwrap();
+    assert_eq!(data, want);
+    let mut empty: Vec<f32> = Vec::new();
+    one.all_reduce_sum(&mut empty).unwrap();
+    // A malformed id and a rank outside the group are errors.
+    assert!(NcclCollective::join(&gpu, &id[..5], 0, 1, Duration::from_secs(1)).is_err());
+    assert!(NcclCollective::join(&gpu, &id, 2, 2, Duration::from_secs(1)).is_err());
+    // A group of two whose second rank never joins: a reported failure within the deadline.
+    let lonely = NcclCollective::unique_id().unwrap();
+    let t = Instant::now();
+    let err = NcclCollective::join(&gpu, &lonely, 0, 2, Duration::from_secs(2)).err().expect("a group missing a rank cannot form");
+    assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+    assert!(err.to_string().contains("did not form"), "{err}");
+}
