@@ -30,6 +30,9 @@ enum Command {
     /// MXFP8 GEMM GFLOP/s on the dsv41-flash TP 4 shapes next to a naive loop and the peak,
     /// and the time of one probe.
     BenchGemm(BenchGemmArgs),
+    /// GPU benchmarks (builds with `--features cuda`): H2D GB/s against the pinned-copy
+    /// bandwidth, layout kernels against a device-to-device copy, MXFP8 GEMM TFLOP/s.
+    BenchCuda(BenchCudaArgs),
     /// Serve the Worker gRPC service (started by `orchestrator launch`, one per rank).
     Serve(orchestrator_worker::cli::ServeArgs),
 }
@@ -103,6 +106,26 @@ struct BenchGemmArgs {
     tokens: Vec<usize>,
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+struct BenchCudaArgs {
+    /// Timed iterations per figure.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+}
+
+#[cfg(feature = "cuda")]
+fn bench_cuda(args: &BenchCudaArgs) -> anyhow::Result<bool> {
+    let backend = orchestrator_kernels::cuda::CudaBackend::new(0)?;
+    let figures = orchestrator_kernels::cuda::bench::run(&backend, args.iters)?;
+    emit(&orchestrator_kernels::cuda::bench::render(&format!("{} ({})", backend.device_name(), backend.name()), &figures));
+    Ok(true)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_cuda(_args: &BenchCudaArgs) -> anyhow::Result<bool> {
+    bail!("bench-cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)")
 }
 
 fn source_of(args: &LoadArgs) -> anyhow::Result<LoadSource> {
@@ -189,6 +212,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Load(args) => load(args),
         Command::Serve(args) => args.run().map(|()| true),
+        Command::BenchCuda(args) => bench_cuda(&args),
         Command::BenchGemm(args) => (|| {
             let report = bench::run_gemm(&args.tokens)?;
             if args.json {

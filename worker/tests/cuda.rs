@@ -111,3 +111,28 @@ fn nccl_world_of_one_all_reduces_and_a_missing_peer_times_out() {
     assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
     assert!(err.to_string().contains("did not form"), "{err}");
 }
+
+/// The acceptance check of the GPU path: an 8-layer dsv41-flash checkpoint on disk, every rank
+/// at TP 1, 2, 4 and 8, GPU kernel digests equal to the CPU's. Heavy (about 1 GB of weights,
+/// loaded 8 times): `scripts/gpu-check.sh` runs it with `--ignored`.
+#[test]
+#[ignore = "heavy; run by scripts/gpu-check.sh on a GPU machine"]
+fn gpu_kernel_digests_equal_cpu_on_an_8_layer_dsv41_flash_checkpoint() {
+    use orchestrator_model::synth::{SynthOptions, write_checkpoint};
+    let Some(gpu) = gpu() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let config = ModelConfig::from_preset(Preset::Dsv41Flash, Some(8), false).unwrap();
+    write_checkpoint(dir.path(), &SynthOptions { config, seed: 0, max_shard_bytes: 2 << 30, preset_name: Some("dsv41-flash".into()) })
+        .unwrap();
+    let source = LoadSource::open_checkpoint(dir.path()).unwrap();
+    for tp in [1, 2, 4, 8] {
+        for rank in 0..tp {
+            let cpu_loader = RankLoader::new(&CpuBackend, source.config(), tp, rank, ScaleRule::Rceil).unwrap();
+            let gpu_loader = RankLoader::new(&gpu, source.config(), tp, rank, ScaleRule::Rceil).unwrap();
+            let want = cpu_loader.load(&source).unwrap();
+            let got = gpu_loader.load(&source).unwrap();
+            assert_eq!(digests(&got), digests(&want), "dsv41-flash 8 layers tp {tp} rank {rank}");
+            eprintln!("dsv41-flash 8 layers tp {tp} rank {rank}: kernel digest {} on both", got.kernel_rank_digest().hex());
+        }
+    }
+}

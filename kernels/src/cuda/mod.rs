@@ -8,6 +8,7 @@
 //! computed on device-to-host copies with the CPU digest code, so they are the CPU definition.
 
 mod backend;
+pub mod bench;
 pub mod nccl;
 
 pub use backend::{CudaBackend, DeviceBuffer, KERNELS_CU};
