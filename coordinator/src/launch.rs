@@ -19,6 +19,7 @@ use orchestrator_worker::golden::golden_kernel_digests;
 use orchestrator_worker::probe::ProbeSpec;
 use tokio::sync::Notify;
 
+pub use crate::cluster::WorkerDevice;
 use crate::cluster::{Cluster, Failures, Registry};
 use crate::consistency::{ConsistencyReport, evaluate, failed_row, row};
 use crate::service::CoordinatorService;
@@ -30,6 +31,8 @@ pub const DEFAULT_LAYERS: usize = 4;
 pub struct LaunchPlan {
     pub tp: u32,
     pub dp: u32,
+    /// Where the workers run (GPU workers: one GPU each).
+    pub device: WorkerDevice,
     pub source: pb::LoadSource,
     /// The same source opened in the coordinator (golden verification, plan validation).
     pub local_source: Arc<LoadSource>,
@@ -223,8 +226,16 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     };
     eprintln!("coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);
 
-    let mut cluster =
-        Cluster::spawn(plan.tp, plan.dp, &format!("http://{address}"), registry, plan.token.clone(), &plan.token_file, &plan.allow_roots)?;
+    let mut cluster = Cluster::spawn(
+        plan.device,
+        plan.tp,
+        plan.dp,
+        &format!("http://{address}"),
+        registry,
+        plan.token.clone(),
+        &plan.token_file,
+        &plan.allow_roots,
+    )?;
     let up = async {
         cluster.connect_all(Duration::from_secs(30)).await?;
         cluster.assign(&plan.source, plan.scale_rule.name(), plan.fault, plan.dump_dir.as_deref()).await

@@ -5,6 +5,7 @@ pub mod auth;
 pub mod bench;
 pub mod cli;
 pub mod collective;
+pub mod device;
 pub mod dump;
 pub mod faults;
 pub mod golden;
