@@ -9,7 +9,9 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::{CompileError, CompileOptions, compile_ptx_with_opts};
 
 use crate::backend::{Backend, BackendWeight, ScaleKind};
@@ -90,7 +92,12 @@ struct Staging {
 /// One GPU as a [`Backend`].
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
+    /// Every kernel, download and allocation.
     stream: Arc<CudaStream>,
+    /// Host-to-device copies, so that they overlap the kernels of other tensors. cudarc's
+    /// per-buffer event tracking (on whenever a context has its own streams) orders each copy
+    /// after the earlier uses of its destination and each kernel after the copy of its inputs.
+    copy_stream: Arc<CudaStream>,
     kernels: Kernels,
     staging: Mutex<Staging>,
     ordinal: usize,
@@ -131,6 +138,7 @@ impl CudaBackend {
         }
         let ctx = CudaContext::new(ordinal).map_err(dev("context"))?;
         let stream = ctx.new_stream().map_err(dev("stream"))?;
+        let copy_stream = ctx.new_stream().map_err(dev("stream"))?;
         let (major, minor) = ctx.compute_capability().map_err(dev("compute capability"))?;
         let kernels = compile(&ctx, major, minor)?;
         let mut slots = Vec::with_capacity(2);
@@ -140,7 +148,7 @@ impl CudaBackend {
             let done = ctx.new_event(None).map_err(dev("event"))?;
             slots.push(PinnedSlot { ptr: ptr.cast(), len: STAGING_BYTES, done });
         }
-        Ok(Self { ctx, stream, kernels, staging: Mutex::new(Staging { slots, next: 0 }), ordinal })
+        Ok(Self { ctx, stream, copy_stream, kernels, staging: Mutex::new(Staging { slots, next: 0 }), ordinal })
     }
 
     /// The device's name (for reports and benchmarks).
@@ -169,6 +177,10 @@ impl CudaBackend {
         if buf.capacity() < bytes || buf.mem.is_none() {
             // SAFETY: every caller writes the bytes it then reads.
             let mem = unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.map_err(dev("allocation"))?;
+            // The allocation is ordered on the compute stream; the copy stream may write it only
+            // after that point.
+            let allocated = self.stream.record_event(None).map_err(dev("event"))?;
+            self.copy_stream.wait(&allocated).map_err(dev("stream wait"))?;
             buf.mem = Some(mem);
         }
         buf.len = bytes;
@@ -184,16 +196,18 @@ impl CudaBackend {
         self.stream.clone_htod(host).map_err(dev("upload"))
     }
 
-    /// Copies `host` to `dst` at `offset` through the pinned staging slots: the host fills one
-    /// slot while the DMA engine copies the other, and the copies overlap the kernels queued
-    /// before them on the stream.
+    /// Copies `host` to `dst` through the pinned staging slots on the copy stream: the host fills
+    /// one slot while the DMA engine copies the other, and the copies overlap the kernels of
+    /// other tensors queued on the compute stream.
     fn h2d(&self, host: &[u8], dst: &mut CudaSlice<u8>) -> Result<(), KernelError> {
         if host.len() > dst.len() {
             return Err(KernelError::Device(format!("upload of {} bytes into {} bytes", host.len(), dst.len())));
         }
         let mut staging = self.staging.lock().map_err(|_| KernelError::Device("the staging lock is poisoned".into()))?;
         self.ctx.bind_to_thread().map_err(dev("bind"))?;
-        let (base, _sync) = dst.device_ptr(&self.stream);
+        // Waits for earlier uses of `dst`; records the write when `_written` drops, after the last
+        // copy is queued.
+        let (base, _written) = dst.device_ptr_mut(&self.copy_stream);
         let mut offset = 0usize;
         for chunk in host.chunks(STAGING_BYTES) {
             let next = staging.next;
@@ -207,9 +221,11 @@ impl CudaBackend {
             pinned[..chunk.len()].copy_from_slice(chunk);
             // SAFETY: `base + offset .. + chunk.len()` lies inside `dst` (checked above); the pinned
             // bytes stay untouched until `done` completes.
-            unsafe { cudarc::driver::result::memcpy_htod_async(base + offset as u64, &pinned[..chunk.len()], self.stream.cu_stream()) }
-                .map_err(dev("host-to-device copy"))?;
-            slot.done.record(&self.stream).map_err(dev("staging event"))?;
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(base + offset as u64, &pinned[..chunk.len()], self.copy_stream.cu_stream())
+            }
+            .map_err(dev("host-to-device copy"))?;
+            slot.done.record(&self.copy_stream).map_err(dev("staging event"))?;
             offset += chunk.len();
         }
         Ok(())
