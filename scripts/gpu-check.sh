@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # GPU acceptance check (one GPU; about 5-8 minutes on an H200):
+#   0. checks kernels.cu compiled for the host against the CPU backend (no GPU needed);
 #   1. builds everything with the `cuda` feature;
 #   2. runs every GPU test (kernels and worker: each op against the CPU backend byte for byte,
 #      whole-rank loads at TP 1/2/4/8, the device probe, NCCL with world size 1 and a missing
@@ -22,12 +23,19 @@ START=$SECONDS
 step "GPU"
 nvidia-smi -L || echo "(nvidia-smi not available)"
 
+step "kernels.cu compiled for the host, against the CPU backend"
+if scripts/check_kernels_on_host.sh > "$LOG/host.txt" 2>&1; then
+  pass "kernels.cu on the host reproduces the CPU bytes"
+else
+  fail "kernels.cu on the host (see $LOG/host.txt)"
+fi
+
 step "build --release --features cuda"
 cargo build --release --workspace --features "$FEATURES"
 pass "release build with --features cuda"
 
 step "GPU tests (release)"
-if cargo test --release --features "$FEATURES" -p orchestrator-kernels -p orchestrator-worker --test cuda -- --nocapture --test-threads 1 \
+if cargo test --release --features orchestrator-worker/cuda -p orchestrator-kernels -p orchestrator-worker --test cuda -- --nocapture --test-threads 1 \
     2>&1 | tee "$LOG/tests.txt"; then
   if grep -q "skipped: no CUDA" "$LOG/tests.txt"; then
     fail "GPU tests skipped: no usable CUDA on this machine"
@@ -39,7 +47,7 @@ else
 fi
 
 step "8-layer dsv41-flash checkpoint, TP 1/2/4/8: GPU kernel digests vs CPU"
-if cargo test --release --features "$FEATURES" -p orchestrator-worker --test cuda -- --ignored --nocapture \
+if cargo test --release --features orchestrator-worker/cuda -p orchestrator-worker --test cuda -- --ignored --nocapture \
     2>&1 | tee "$LOG/ckpt.txt" && ! grep -q "skipped: no CUDA" "$LOG/ckpt.txt"; then
   pass "8-layer dsv41-flash: $(grep -c 'on both' "$LOG/ckpt.txt") ranks with identical GPU/CPU kernel digests"
 else

@@ -156,8 +156,9 @@ impl CudaBackend {
         self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
     }
 
-    /// Waits for all work queued on the backend's stream.
+    /// Waits for all work queued on the backend's streams (copies and kernels).
     pub fn synchronize(&self) -> Result<(), KernelError> {
+        self.copy_stream.synchronize().map_err(dev("synchronize"))?;
         self.stream.synchronize().map_err(dev("synchronize"))
     }
 
