@@ -101,7 +101,7 @@ pub enum WorkerDevice {
 }
 
 /// The GPUs workers are spread over: the launcher's `CUDA_VISIBLE_DEVICES` entries, or
-/// `0..ORCHESTRATOR_GPUS` (default 8).
+/// `0..ORCHESTRATOR_GPUS`, or every GPU this process sees (at least one).
 fn gpu_list() -> Vec<String> {
     if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
         let list: Vec<String> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
@@ -109,8 +109,18 @@ fn gpu_list() -> Vec<String> {
             return list;
         }
     }
-    let n = std::env::var("ORCHESTRATOR_GPUS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or(8);
+    let n = std::env::var("ORCHESTRATOR_GPUS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or_else(visible_gpus);
     (0..n).map(|i| i.to_string()).collect()
+}
+
+#[cfg(feature = "cuda")]
+fn visible_gpus() -> usize {
+    orchestrator_kernels::cuda::CudaBackend::device_count().max(1)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn visible_gpus() -> usize {
+    1
 }
 
 /// A failure named by rank.
@@ -131,7 +141,7 @@ impl Cluster {
     /// authenticate with the token in `token_file`, and read checkpoints only under
     /// `allow_roots`. GPU workers get `ORCHESTRATOR_DEVICE=cuda` and one GPU each
     /// through `CUDA_VISIBLE_DEVICES` (worker `i` gets GPU `i mod gpus`, `gpus` from the
-    /// launcher's own `CUDA_VISIBLE_DEVICES` list, or `ORCHESTRATOR_GPUS`, default 8).
+    /// launcher's own `CUDA_VISIBLE_DEVICES` list, or `ORCHESTRATOR_GPUS`, or the GPUs it sees).
     #[allow(clippy::too_many_arguments)]
     pub fn spawn(
         device: WorkerDevice,
