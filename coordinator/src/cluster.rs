@@ -142,6 +142,8 @@ pub struct WorkerHandle {
     pub process: WorkerProcess,
     pub client: Option<WorkerClient<Channel>>,
     pub collective: String,
+    /// GPU workers: the NCCL unique id a group's rank 0 created at Assign (empty otherwise).
+    pub nccl_unique_id: Vec<u8>,
 }
 
 impl WorkerHandle {
@@ -165,6 +167,37 @@ pub struct Cluster {
     pub tls: Option<TlsFiles>,
 }
 
+/// Where the workers of a cluster run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerDevice {
+    Cpu,
+    /// One GPU per worker.
+    Cuda,
+}
+
+/// The GPUs workers are spread over: the launcher's `CUDA_VISIBLE_DEVICES` entries, or
+/// `0..ORCHESTRATOR_GPUS`, or every GPU this process sees (at least one).
+fn gpu_list() -> Vec<String> {
+    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
+        let list: Vec<String> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+        if !list.is_empty() {
+            return list;
+        }
+    }
+    let n = std::env::var("ORCHESTRATOR_GPUS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or_else(visible_gpus);
+    (0..n).map(|i| i.to_string()).collect()
+}
+
+#[cfg(feature = "cuda")]
+fn visible_gpus() -> usize {
+    orchestrator_kernels::cuda::CudaBackend::device_count().max(1)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn visible_gpus() -> usize {
+    1
+}
+
 /// A failure named by rank.
 pub type Failures = Vec<(u32, String)>;
 
@@ -179,11 +212,15 @@ fn worker_command() -> anyhow::Result<(PathBuf, Vec<String>)> {
 }
 
 impl Cluster {
-    /// Starts `tp * dp` worker processes that register with `coordinator`, authenticate with
-    /// the token in `token_file`, read checkpoints only under `allow_roots`, and keep serving
-    /// for `grace` while the coordinator is unreachable.
+    /// Starts `tp * dp` worker processes on `device` that register with `coordinator`,
+    /// authenticate with the token in `token_file`, read checkpoints only under `allow_roots`,
+    /// and keep serving for `grace` while the coordinator is unreachable. GPU workers get
+    /// `ORCHESTRATOR_DEVICE=cuda` and one GPU each through `CUDA_VISIBLE_DEVICES` (worker `i`
+    /// gets GPU `i mod gpus`, `gpus` from the launcher's own `CUDA_VISIBLE_DEVICES` list, or
+    /// `ORCHESTRATOR_GPUS`, or the GPUs it sees).
     #[allow(clippy::too_many_arguments)]
     pub fn spawn(
+        device: WorkerDevice,
         tp: u32,
         dp: u32,
         coordinator: &str,
@@ -195,9 +232,14 @@ impl Cluster {
         tls: Option<TlsFiles>,
     ) -> anyhow::Result<Self> {
         let (bin, leading) = worker_command()?;
+        let gpus = gpu_list();
         let mut workers = Vec::new();
         for id in 0..tp * dp {
-            let child = Command::new(&bin)
+            let mut command = Command::new(&bin);
+            if device == WorkerDevice::Cuda {
+                command.env(orchestrator_worker::device::DEVICE_ENV, "cuda").env("CUDA_VISIBLE_DEVICES", &gpus[id as usize % gpus.len()]);
+            }
+            let child = command
                 .args(&leading)
                 .args(["--coordinator", coordinator, "--worker-id", &id.to_string()])
                 .arg("--token-file")
@@ -218,6 +260,7 @@ impl Cluster {
                 process: WorkerProcess::Child(Box::new(tokio::sync::Mutex::new(child))),
                 client: None,
                 collective: String::new(),
+                nccl_unique_id: Vec::new(),
             });
         }
         let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
@@ -253,6 +296,7 @@ impl Cluster {
                 process: WorkerProcess::Adopted { pid: r.pid },
                 client: None,
                 collective: r.collective.clone(),
+                nccl_unique_id: crate::journal::from_hex(&r.nccl_unique_id).unwrap_or_default(),
             });
         }
         let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
@@ -276,6 +320,7 @@ impl Cluster {
                     address: reg.as_ref().map(|r| r.address.clone()).unwrap_or_default(),
                     pid: reg.map_or(0, |r| r.pid),
                     collective: w.collective.clone(),
+                    nccl_unique_id: crate::journal::to_hex(&w.nccl_unique_id),
                 }
             })
             .collect()
@@ -427,19 +472,16 @@ impl Cluster {
                     Some(&self.token),
                 );
                 let label = w.label();
-                async move {
-                    client
-                        .assign(req)
-                        .await
-                        .map(|r| r.into_inner().collective_address)
-                        .map_err(|s| format!("{label}: assign: {}", s.message()))
-                }
+                async move { client.assign(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: assign: {}", s.message())) }
             })
             .await?;
         let mut failures = Vec::new();
         for w in &mut self.workers {
             match results.get(&w.id) {
-                Some(Ok(addr)) => w.collective = addr.clone(),
+                Some(Ok(assigned)) => {
+                    w.collective = assigned.collective_address.clone();
+                    w.nccl_unique_id = assigned.nccl_unique_id.clone();
+                }
                 Some(Err(e)) => failures.push((w.id, e.clone())),
                 None => failures.push((w.id, format!("{}: assign did not complete", w.label()))),
             }
@@ -515,6 +557,9 @@ impl Cluster {
         }
         let peers: BTreeMap<u32, Vec<String>> =
             (0..self.dp).map(|dp| (dp, self.workers.iter().filter(|w| w.dp == dp).map(|w| w.collective.clone()).collect())).collect();
+        // GPU groups: the NCCL unique id their rank 0 created, relayed to every rank.
+        let nccl_ids: BTreeMap<u32, Vec<u8>> =
+            self.workers.iter().filter(|w| w.tp == 0).map(|w| (w.dp, w.nccl_unique_id.clone())).collect();
         self.fan_out_in(group, |w, mut client| {
             let req = orchestrator_worker::auth::request(
                 pb::ProbeRequest {
@@ -526,6 +571,7 @@ impl Cluster {
                     timeout_ms: 15_000,
                     shadow,
                     skip_reference,
+                    nccl_unique_id: nccl_ids.get(&w.dp).cloned().unwrap_or_default(),
                 },
                 PROBE_DEADLINE,
                 Some(&self.token),

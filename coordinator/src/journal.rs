@@ -70,6 +70,22 @@ pub struct WorkerRecord {
     pub pid: u32,
     /// Its collective (ring) listener.
     pub collective: String,
+    /// GPU workers: the NCCL unique id of the group (hex; empty on CPU workers).
+    #[serde(default)]
+    pub nccl_unique_id: String,
+}
+
+/// Lower-case hex of bytes.
+pub fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Bytes of lower- or upper-case hex; `None` when it is not hex.
+pub fn from_hex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len()).step_by(2).map(|i| text.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect()
 }
 
 /// The plan a launch brought up.
@@ -356,6 +372,7 @@ mod tests {
                     address: format!("http://127.0.0.1:{}", 6000 + id),
                     pid: 100 + id,
                     collective: format!("127.0.0.1:{}", 7000 + id),
+                    nccl_unique_id: if id % 2 == 0 { to_hex(&[0, 1, 0xfe, 0xff]) } else { String::new() },
                 })
                 .collect(),
             version: "va".into(),
@@ -369,6 +386,16 @@ mod tests {
             to: SourceRecord::Checkpoint { dir: "/ck/B".into() },
             new_version: "vb".into(),
             max_unavailable: 1,
+        }
+    }
+
+    #[test]
+    fn hex_round_trips() {
+        assert_eq!(to_hex(&[0, 1, 0xab, 0xff]), "0001abff");
+        assert_eq!(from_hex("0001abFF"), Some(vec![0, 1, 0xab, 0xff]));
+        assert_eq!(from_hex(""), Some(vec![]));
+        for bad in ["0", "zz", "0g", "é1"] {
+            assert_eq!(from_hex(bad), None, "{bad}");
         }
     }
 

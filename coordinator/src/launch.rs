@@ -17,6 +17,7 @@ use orchestrator_worker::auth::Token;
 use orchestrator_worker::golden::golden_kernel_digests;
 use orchestrator_worker::probe::ProbeSpec;
 
+pub use crate::cluster::WorkerDevice;
 use crate::cluster::{Cluster, Failures};
 use crate::consistency::{ConsistencyReport, evaluate, failed_row, row};
 use crate::journal::{Event, Journal, PlanRecord, SourceRecord};
@@ -29,6 +30,8 @@ pub const DEFAULT_LAYERS: usize = 4;
 pub struct LaunchPlan {
     pub tp: u32,
     pub dp: u32,
+    /// Where the workers run (GPU workers: one GPU each).
+    pub device: WorkerDevice,
     pub source: pb::LoadSource,
     /// The same source opened in the coordinator (golden verification, plan validation).
     pub local_source: Arc<LoadSource>,
@@ -210,6 +213,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     eprintln!("coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);
 
     let mut cluster = Cluster::spawn(
+        plan.device,
         plan.tp,
         plan.dp,
         &endpoint.url,

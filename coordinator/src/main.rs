@@ -362,9 +362,17 @@ fn parse_fault(s: &str, workers: u32) -> anyhow::Result<(u32, orchestrator_proto
 fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
     use orchestrator_proto::v1 as pb;
     anyhow::ensure!(a.dp >= 1, "--dp must be at least 1");
-    if let Device::Cuda = a.device {
-        anyhow::bail!("--device cuda: GPU workers are not implemented yet (use --device cpu)");
-    }
+    let device = match a.device {
+        Device::Cpu => launch::WorkerDevice::Cpu,
+        // Fail before starting anything when CUDA cannot work here.
+        #[cfg(feature = "cuda")]
+        Device::Cuda => {
+            orchestrator_kernels::cuda::CudaLibraries::probe().require_all()?;
+            launch::WorkerDevice::Cuda
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => anyhow::bail!("--device cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)"),
+    };
     // Resolve and validate the plan before starting anything.
     let (source, local, desc) = if a.dummy.dummy {
         let d = &a.dummy;
@@ -431,6 +439,7 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
     let plan = launch::LaunchPlan {
         tp: a.tp,
         dp: a.dp,
+        device,
         source,
         local_source: std::sync::Arc::new(local),
         source_desc: desc,

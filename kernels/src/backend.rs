@@ -5,6 +5,7 @@
 //! communicator are owned by one OS thread, and so is its backend.
 
 use crate::digest::Digest;
+use crate::gemm::{self, MxMatrix, ScaleView, WeightView};
 use crate::mxfp8::{self, ScaleRule};
 use crate::permutation::{self, BlockOrder, Permutation};
 use crate::{KernelError, layout};
@@ -125,6 +126,49 @@ pub trait Backend {
     fn pack_ue8m0(&self, src: &Self::Buffer, groups: usize, rows: usize, c: usize, dst: &mut Self::Buffer) -> Result<(), KernelError>;
     /// Inverse of the packing.
     fn unpack_ue8m0(&self, src: &Self::Buffer, groups: usize, rows: usize, c: usize, dst: &mut Self::Buffer) -> Result<(), KernelError>;
+
+    /// The probe's MXFP8 GEMM `out[t, n] = sum_k a[t, k] * w[n, k]` on a weight held in backend
+    /// buffers, read in its kernel layout ([`crate::gemm::gemm`]'s exact arithmetic). Returns
+    /// `[T, n]` on the host. The default runs [`crate::gemm::gemm`] on the buffers' host bytes
+    /// (borrowed on the CPU backend).
+    fn mx_gemm(&self, a: &MxMatrix, w: &BackendWeight<'_, Self>) -> Result<Vec<f32>, KernelError>
+    where
+        Self: Sized,
+    {
+        let elements = self.host_bytes(w.elements)?;
+        let scales = self.host_bytes(w.scales)?;
+        let elements = elements
+            .get(w.offset..w.offset + w.n * w.k)
+            .ok_or_else(|| KernelError::Shape(format!("a [{}, {}] weight at byte {} of {} bytes", w.n, w.k, w.offset, elements.len())))?;
+        let scales = match w.scales_layout {
+            ScaleKind::RowMajor => ScaleView::RowMajor(&scales),
+            ScaleKind::Swizzled128x4 => ScaleView::Swizzled128x4(&scales),
+            ScaleKind::PackedUe8m0 { group, rows_per_group } => ScaleView::PackedUe8m0 { bytes: &scales, group, rows_per_group },
+        };
+        gemm::gemm(a, &WeightView { elements, n: w.n, k: w.k, scales })
+    }
+}
+
+/// How a weight's per-row, per-32-column scales are stored (see [`crate::gemm::ScaleView`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleKind {
+    /// Plain row-major `[N, K/32]`.
+    RowMajor,
+    /// F8_128x4 swizzle of `[N, K/32]`.
+    Swizzled128x4,
+    /// DeepGEMM packed UE8M0 (MN-major), group `group` of `rows_per_group` rows.
+    PackedUe8m0 { group: usize, rows_per_group: usize },
+}
+
+/// An MXFP8 weight `[n, k]` held in backend buffers: E4M3 bytes row-major at byte `offset` of
+/// `elements`, scales in `scales_layout`.
+pub struct BackendWeight<'a, B: Backend> {
+    pub elements: &'a B::Buffer,
+    pub offset: usize,
+    pub n: usize,
+    pub k: usize,
+    pub scales: &'a B::Buffer,
+    pub scales_layout: ScaleKind,
 }
 
 /// The host backend: buffers are `Vec<u8>`, operations run on the calling thread.

@@ -77,6 +77,17 @@ pub fn q_column(layouts: Layouts, heads: usize, head_dim: usize, h: usize, d: us
     }
 }
 
+/// Which GEMM of the pass [`forward_with`] asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerGemm {
+    /// `qr @ wq_b^T`.
+    WqB,
+    /// `o[g] @ wo_a[g]^T` for local group `g`.
+    WoA(usize),
+    /// `z @ wo_b^T`.
+    WoB,
+}
+
 /// Runs one layer.
 pub fn forward(
     shape: &ProbeShape,
@@ -85,21 +96,42 @@ pub fn forward(
     layouts: Layouts,
     rule: ScaleRule,
 ) -> Result<ProbeOutput, KernelError> {
-    let ProbeShape { heads, groups, head_dim, rope_dim, o_lora, hidden, .. } = *shape;
     let gemm_fn = match layouts {
         Layouts::Kernel => gemm,
         Layouts::Reference => gemm_reference,
     };
-    if w.wo_a.len() != groups || heads != groups * HEADS_PER_GROUP || w.attn_sink.len() != heads {
+    forward_with(shape, inputs, w.attn_sink, w.wo_a.len(), layouts, rule, |which, a| match which {
+        LayerGemm::WqB => gemm_fn(a, &w.wq_b),
+        LayerGemm::WoA(g) => gemm_fn(a, &w.wo_a[g]),
+        LayerGemm::WoB => gemm_fn(a, &w.wo_b),
+    })
+}
+
+/// Runs one layer with the GEMMs done by `gemm` (the weights may live anywhere, a GPU say); the
+/// rest of the pass (RoPE, attention, activation quantization) is this module's host code, so
+/// a `gemm` bit-identical to [`gemm`] gives an output bit-identical to [`forward`]'s.
+pub fn forward_with(
+    shape: &ProbeShape,
+    inputs: &ProbeInputs,
+    attn_sink: &[f32],
+    wo_a_groups: usize,
+    layouts: Layouts,
+    rule: ScaleRule,
+    gemm_fn: impl Fn(LayerGemm, &MxMatrix) -> Result<Vec<f32>, KernelError>,
+) -> Result<ProbeOutput, KernelError> {
+    let ProbeShape { heads, groups, head_dim, rope_dim, o_lora, hidden, .. } = *shape;
+    if wo_a_groups != groups || heads != groups * HEADS_PER_GROUP || attn_sink.len() != heads {
         return Err(KernelError::Shape(format!(
-            "probe shape {heads} heads / {groups} groups does not match {} wo_a groups and {} sinks",
-            w.wo_a.len(),
-            w.attn_sink.len()
+            "probe shape {heads} heads / {groups} groups does not match {wo_a_groups} wo_a groups and {} sinks",
+            attn_sink.len()
         )));
     }
     let t_rows = inputs.qr.rows;
     let n_q = heads * head_dim;
-    let q = gemm_fn(&inputs.qr, &w.wq_b)?;
+    let q = gemm_fn(LayerGemm::WqB, &inputs.qr)?;
+    if q.len() != t_rows * n_q {
+        return Err(KernelError::Shape(format!("q has {} values, expected [{t_rows}, {n_q}]", q.len())));
+    }
 
     // Attention per (token, head) on the standard head view of q.
     let scale = (head_dim as f32).powf(-0.5);
@@ -108,7 +140,7 @@ pub fn forward(
         for h in 0..heads {
             let mut qh: Vec<f32> = (0..head_dim).map(|d| q[t * n_q + q_column(layouts, heads, head_dim, h, d)]).collect();
             rope(&mut qh[head_dim - rope_dim..], t, false);
-            let mut oh = attend(&qh, &inputs.kv, head_dim, scale, w.attn_sink[h]);
+            let mut oh = attend(&qh, &inputs.kv, head_dim, scale, attn_sink[h]);
             rope(&mut oh[head_dim - rope_dim..], t, true);
             o[t * n_q + h * head_dim..t * n_q + (h + 1) * head_dim].copy_from_slice(&oh);
         }
@@ -118,7 +150,7 @@ pub fn forward(
     let group_cols = HEADS_PER_GROUP * head_dim;
     let o_perm = Permutation::o_columns(head_dim)?;
     let mut z = vec![0f32; t_rows * groups * o_lora];
-    for (g, wo_a) in w.wo_a.iter().enumerate() {
+    for g in 0..groups {
         let og: Vec<f32> = (0..t_rows)
             .flat_map(|t| {
                 let row = &o[t * n_q + g * group_cols..t * n_q + (g + 1) * group_cols];
@@ -129,15 +161,20 @@ pub fn forward(
             })
             .collect();
         let og = MxMatrix::quantize(&og, group_cols, rule)?;
-        let zg = gemm_fn(&og, wo_a)?;
+        let zg = gemm_fn(LayerGemm::WoA(g), &og)?;
+        if zg.len() != t_rows * o_lora {
+            return Err(KernelError::Shape(format!("z of group {g} has {} values, expected [{t_rows}, {o_lora}]", zg.len())));
+        }
         for t in 0..t_rows {
             z[t * groups * o_lora + g * o_lora..t * groups * o_lora + (g + 1) * o_lora].copy_from_slice(&zg[t * o_lora..(t + 1) * o_lora]);
         }
     }
 
     let zq = MxMatrix::quantize(&z, groups * o_lora, rule)?;
-    let y_partial = gemm_fn(&zq, &w.wo_b)?;
-    debug_assert_eq!(y_partial.len(), t_rows * hidden);
+    let y_partial = gemm_fn(LayerGemm::WoB, &zq)?;
+    if y_partial.len() != t_rows * hidden {
+        return Err(KernelError::Shape(format!("y_partial has {} values, expected [{t_rows}, {hidden}]", y_partial.len())));
+    }
     Ok(ProbeOutput { q, z, y_partial })
 }
 

@@ -16,7 +16,7 @@ pub mod mxfp8;
 pub mod params;
 pub mod permutation;
 
-pub use backend::{Backend, BufferPool, CpuBackend};
+pub use backend::{Backend, BackendWeight, BufferPool, CpuBackend, ScaleKind};
 pub use digest::Digest;
 pub use mxfp8::ScaleRule;
 

@@ -71,6 +71,9 @@ pub enum CollectiveError {
     /// A local socket operation failed (bind, address, socket options).
     #[error("socket error: {0}")]
     Io(#[from] io::Error),
+    /// The device collective (NCCL) failed, timed out or was aborted.
+    #[error("device collective: {reason}")]
+    Device { reason: String },
 }
 
 impl CollectiveError {
@@ -84,7 +87,7 @@ impl CollectiveError {
             | Self::LengthMismatch { peer, .. }
             | Self::Protocol { peer, .. }
             | Self::Aborted { peer, .. } => Some(*peer),
-            Self::InvalidGroup { .. } | Self::Broken { .. } | Self::Io(_) => None,
+            Self::InvalidGroup { .. } | Self::Broken { .. } | Self::Io(_) | Self::Device { .. } => None,
         }
     }
 }

@@ -5,7 +5,7 @@
 use orchestrator_kernels::layout::{pack_ue8m0_mn_major, swizzle_128x4, unpack_ue8m0_mn_major, unswizzle_128x4};
 use orchestrator_kernels::params::{KernelTensor, OPermutation, QPermutation, ScaleLayout};
 use orchestrator_kernels::permutation::{Permutation, gather_runs};
-use orchestrator_kernels::{CpuBackend, KernelError};
+use orchestrator_kernels::{Backend, CpuBackend, KernelError};
 
 use crate::loader::RankWeights;
 
@@ -41,32 +41,63 @@ impl std::str::FromStr for Fault {
 
 /// Applies `fault` to every layer of a rank.
 pub fn inject(weights: &mut RankWeights<CpuBackend>, fault: Fault) -> Result<(), KernelError> {
-    let heads = weights.shard.n_local_heads;
-    let head_dim = weights.identity.geometry.head_dim;
+    let (heads, head_dim) = (weights.shard.n_local_heads, weights.identity.geometry.head_dim);
+    for layer in &mut weights.layers {
+        inject_layer(&mut layer.wq_b, &mut layer.wo_a, heads, head_dim, fault)?;
+    }
+    Ok(())
+}
+
+/// [`inject`] on any backend: each layer's `wq_b` and `wo_a` are copied to the host, edited
+/// there, and written back (a GPU worker reproduces the same faults).
+pub fn inject_on<B: Backend>(backend: &B, weights: &mut RankWeights<B>, fault: Fault) -> Result<(), KernelError> {
+    let (heads, head_dim) = (weights.shard.n_local_heads, weights.identity.geometry.head_dim);
+    let to_host = |t: &KernelTensor<B>| -> Result<KernelTensor<CpuBackend>, KernelError> {
+        let (mut weight, mut scale) = (Vec::new(), Vec::new());
+        backend.download(&t.weight, &mut weight)?;
+        backend.download(&t.scale, &mut scale)?;
+        Ok(KernelTensor { weight, weight_shape: t.weight_shape.clone(), scale, scale_layout: t.scale_layout })
+    };
+    for layer in &mut weights.layers {
+        let (mut wq_b, mut wo_a) = (to_host(&layer.wq_b)?, to_host(&layer.wo_a)?);
+        inject_layer(&mut wq_b, &mut wo_a, heads, head_dim, fault)?;
+        for (dst, src) in [(&mut layer.wq_b, &wq_b), (&mut layer.wo_a, &wo_a)] {
+            backend.upload(&src.weight, &mut dst.weight)?;
+            backend.upload(&src.scale, &mut dst.scale)?;
+        }
+    }
+    Ok(())
+}
+
+fn inject_layer(
+    wq_b: &mut KernelTensor<CpuBackend>,
+    wo_a: &mut KernelTensor<CpuBackend>,
+    heads: usize,
+    head_dim: usize,
+    fault: Fault,
+) -> Result<(), KernelError> {
     let q = QPermutation::new(heads, head_dim)?;
     let o = OPermutation::new(head_dim)?;
-    for layer in &mut weights.layers {
-        match fault {
-            Fault::SkipQPermutation => permute_linear_rows(&mut layer.wq_b, &q.rows().inverse())?,
-            Fault::DoubleQPermutation => permute_linear_rows(&mut layer.wq_b, q.rows())?,
-            Fault::SkipOScaleChunkPermutation => unpermute_packed_scale_chunks(&mut layer.wo_a, o.chunks())?,
-            Fault::StaleReload => {
-                permute_linear_rows(&mut layer.wq_b, &q.rows().inverse())?;
-                unpermute_packed_scale_chunks(&mut layer.wo_a, o.chunks())?;
-                let k = *layer.wo_a.weight_shape.last().unwrap_or(&0);
-                let mut w = Vec::new();
-                gather_runs(&layer.wo_a.weight, k, 32, &o.chunks().inverse(), &mut w)?;
-                layer.wo_a.weight = w;
+    match fault {
+        Fault::SkipQPermutation => permute_linear_rows(wq_b, &q.rows().inverse())?,
+        Fault::DoubleQPermutation => permute_linear_rows(wq_b, q.rows())?,
+        Fault::SkipOScaleChunkPermutation => unpermute_packed_scale_chunks(wo_a, o.chunks())?,
+        Fault::StaleReload => {
+            permute_linear_rows(wq_b, &q.rows().inverse())?;
+            unpermute_packed_scale_chunks(wo_a, o.chunks())?;
+            let k = *wo_a.weight_shape.last().unwrap_or(&0);
+            let mut w = Vec::new();
+            gather_runs(&wo_a.weight, k, 32, &o.chunks().inverse(), &mut w)?;
+            wo_a.weight = w;
+        }
+        Fault::SwapHeads(a, b) => {
+            // In the fused layout, head h's dim d sits at row (d/16)*(H*16) + h*16 + d%16.
+            let mut map: Vec<u32> = (0..(heads * head_dim) as u32).collect();
+            for d in 0..head_dim {
+                let row = |h: usize| (d / 16) * (heads * 16) + h * 16 + d % 16;
+                map.swap(row(a), row(b));
             }
-            Fault::SwapHeads(a, b) => {
-                // In the fused layout, head h's dim d sits at row (d/16)*(H*16) + h*16 + d%16.
-                let mut map: Vec<u32> = (0..(heads * head_dim) as u32).collect();
-                for d in 0..head_dim {
-                    let row = |h: usize| (d / 16) * (heads * 16) + h * 16 + d % 16;
-                    map.swap(row(a), row(b));
-                }
-                permute_linear_rows(&mut layer.wq_b, &Permutation::from_map(map)?)?;
-            }
+            permute_linear_rows(wq_b, &Permutation::from_map(map)?)?;
         }
     }
     Ok(())

@@ -5,12 +5,15 @@ pub mod auth;
 pub mod bench;
 pub mod cli;
 pub mod collective;
+pub mod device;
 pub mod dump;
 pub mod faults;
 pub mod golden;
 pub mod grpc;
 pub mod identity;
 pub mod loader;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod output;
 pub mod probe;
 pub mod report;

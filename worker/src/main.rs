@@ -3,9 +3,11 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
+#[cfg(not(feature = "cuda"))]
+use anyhow::bail;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use orchestrator_kernels::{CpuBackend, ScaleRule};
+use orchestrator_kernels::{Backend, CpuBackend, ScaleRule};
 use orchestrator_worker::bench::{self, BenchOptions};
 use orchestrator_worker::cli::DummyArgs;
 use orchestrator_worker::output::emit;
@@ -28,6 +30,9 @@ enum Command {
     /// MXFP8 GEMM GFLOP/s on the dsv41-flash TP 4 shapes next to a naive loop and the peak,
     /// and the time of one probe.
     BenchGemm(BenchGemmArgs),
+    /// GPU benchmarks (builds with `--features cuda`): H2D GB/s against the pinned-copy
+    /// bandwidth, layout kernels against a device-to-device copy, MXFP8 GEMM TFLOP/s.
+    BenchCuda(BenchCudaArgs),
     /// Serve the Worker gRPC service (started by `orchestrator launch`, one per rank).
     Serve(orchestrator_worker::cli::ServeArgs),
 }
@@ -103,6 +108,26 @@ struct BenchGemmArgs {
     json: bool,
 }
 
+#[derive(Args)]
+struct BenchCudaArgs {
+    /// Timed iterations per figure.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+}
+
+#[cfg(feature = "cuda")]
+fn bench_cuda(args: &BenchCudaArgs) -> anyhow::Result<bool> {
+    let backend = orchestrator_kernels::cuda::CudaBackend::new(0)?;
+    let figures = orchestrator_kernels::cuda::bench::run(&backend, args.iters)?;
+    emit(&orchestrator_kernels::cuda::bench::render(&format!("{} ({})", backend.device_name(), backend.name()), &figures));
+    Ok(true)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_cuda(_args: &BenchCudaArgs) -> anyhow::Result<bool> {
+    bail!("bench-cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)")
+}
+
 fn source_of(args: &LoadArgs) -> anyhow::Result<LoadSource> {
     if let Some(dir) = &args.checkpoint {
         return LoadSource::open_checkpoint(dir).with_context(|| format!("opening checkpoint {}", dir.display()));
@@ -110,14 +135,12 @@ fn source_of(args: &LoadArgs) -> anyhow::Result<LoadSource> {
     Ok(args.dummy.source()?)
 }
 
+/// Fails early, with one clear error, when `--device cuda` cannot work in this process.
 fn check_device(device: Device) -> anyhow::Result<()> {
     match device {
         Device::Cpu => Ok(()),
         #[cfg(feature = "cuda")]
-        Device::Cuda => {
-            orchestrator_kernels::cuda::CudaLibraries::probe().require_all()?;
-            bail!("--device cuda: the CUDA libraries are present, but this build's CUDA backend is not implemented yet (use --device cpu)")
-        }
+        Device::Cuda => Ok(orchestrator_kernels::cuda::CudaLibraries::probe().require_all()?),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda => bail!("--device cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)"),
     }
@@ -128,15 +151,35 @@ fn load(args: LoadArgs) -> anyhow::Result<bool> {
     let source = source_of(&args)?;
     let geometry = &source.config().geometry;
     orchestrator_model::plan::validate_tp(geometry, args.tp)?;
+    match args.device {
+        Device::Cpu => load_on(&CpuBackend, &args, &source),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => {
+            // One OS thread opens the GPU (device 0 of what `CUDA_VISIBLE_DEVICES` leaves visible),
+            // owns its context and stream, and drives the whole load from there.
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    let backend = orchestrator_kernels::cuda::CudaBackend::new(0)?;
+                    load_on(&backend, &args, &source)
+                })
+                .join()
+                .map_err(|_| anyhow::anyhow!("the CUDA thread panicked"))?
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => bail!("--device cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)"),
+    }
+}
+
+fn load_on<B: Backend + Sync>(backend: &B, args: &LoadArgs, source: &LoadSource) -> anyhow::Result<bool> {
     let ranks: Vec<usize> = match args.rank {
         Some(r) => vec![r],
         None => (0..args.tp).collect(),
     };
-    let backend = CpuBackend;
     let mut reports: Vec<RankReport> = Vec::new();
     for r in ranks {
-        let report = load_and_report(&backend, &source, args.tp, r, args.scale_rule, args.dump.as_deref(), args.probe)
-            .with_context(|| format!("rank {r} of TP {}", args.tp))?;
+        let report = load_and_report(backend, source, args.tp, r, args.scale_rule, args.dump.as_deref(), args.probe)
+            .with_context(|| format!("rank {r} of TP {} on {}", args.tp, backend.name()))?;
         if !args.json {
             emit(&report.render(!args.brief));
         }
@@ -169,6 +212,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Load(args) => load(args),
         Command::Serve(args) => args.run().map(|()| true),
+        Command::BenchCuda(args) => bench_cuda(&args),
         Command::BenchGemm(args) => (|| {
             let report = bench::run_gemm(&args.tokens)?;
             if args.json {

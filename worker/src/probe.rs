@@ -3,10 +3,12 @@
 
 use std::time::Instant;
 
-use orchestrator_kernels::forward::{LayerWeightsView, Layouts, ProbeInputs, ProbeOutput, ProbeShape, compare, forward, q_column};
+use orchestrator_kernels::forward::{
+    LayerGemm, LayerWeightsView, Layouts, ProbeInputs, ProbeOutput, ProbeShape, compare, forward, forward_with, q_column,
+};
 use orchestrator_kernels::gemm::{MxMatrix, ScaleView, WeightView};
 use orchestrator_kernels::params::{KernelTensor, ScaleLayout};
-use orchestrator_kernels::{Backend, Digest, KernelError, ScaleRule};
+use orchestrator_kernels::{Backend, BackendWeight, Digest, KernelError, ScaleKind, ScaleRule};
 use orchestrator_model::{Generator, Geometry};
 use serde::Serialize;
 
@@ -106,27 +108,11 @@ fn shape_of<B: Backend>(g: &Geometry, w: &RankWeights<B>) -> ProbeShape {
     }
 }
 
-/// A kernel tensor's bytes on the host (borrowed on the CPU backend, copied from a device).
-struct HostKernel<'a> {
-    weight: std::borrow::Cow<'a, [u8]>,
-    weight_shape: Vec<usize>,
-    scale: std::borrow::Cow<'a, [u8]>,
-    scale_layout: ScaleLayout,
-}
-
-fn host_view<'a, B: Backend>(backend: &B, t: &'a KernelTensor<B>) -> Result<HostKernel<'a>, KernelError> {
-    Ok(HostKernel {
-        weight: backend.host_bytes(&t.weight)?,
-        weight_shape: t.weight_shape.clone(),
-        scale: backend.host_bytes(&t.scale)?,
-        scale_layout: t.scale_layout,
-    })
-}
-
-fn linear_view<'a>(t: &'a HostKernel<'_>) -> Result<WeightView<'a>, KernelError> {
+/// A linear (`[N, K]`, swizzled scales) kernel tensor as a GEMM operand.
+fn linear_weight<'a, B: Backend>(t: &'a KernelTensor<B>) -> Result<BackendWeight<'a, B>, KernelError> {
     match (t.scale_layout, t.weight_shape.as_slice()) {
         (ScaleLayout::Swizzled128x4 { .. }, &[n, k]) => {
-            Ok(WeightView { elements: &t.weight, n, k, scales: ScaleView::Swizzled128x4(&t.scale) })
+            Ok(BackendWeight { elements: &t.weight, offset: 0, n, k, scales: &t.scale, scales_layout: ScaleKind::Swizzled128x4 })
         }
         (layout, shape) => Err(KernelError::Layout(format!("expected a swizzled [N, K] linear weight, found {layout:?} {shape:?}"))),
     }
@@ -166,10 +152,7 @@ pub fn probe_rank_with<B: Backend + Sync>(
         let mut sink_bytes = Vec::new();
         backend.download(&layer.attn_sink, &mut sink_bytes).map_err(bad)?;
         let sink: Vec<f32> = sink_bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        let host = [&layer.wq_b, &layer.wo_a, &layer.wo_b].map(|k| host_view(backend, k));
-        let [wq_b, wo_a, wo_b] = host;
-        let kernel =
-            run_kernel(&shape, &inputs, &wq_b.map_err(bad)?, &wo_a.map_err(bad)?, &wo_b.map_err(bad)?, &sink, rule).map_err(bad)?;
+        let kernel = run_kernel(backend, &shape, &inputs, [&layer.wq_b, &layer.wo_a, &layer.wo_b], &sink, rule).map_err(bad)?;
         kernel_s += t.elapsed().as_secs_f64();
         if check {
             let t = Instant::now();
@@ -208,12 +191,13 @@ pub fn probe_rank_with<B: Backend + Sync>(
     })
 }
 
-fn run_kernel(
+/// The pass on the kernel tensors where they live: every GEMM runs on the backend
+/// ([`Backend::mx_gemm`]: on the device for CUDA), the attention core on the host.
+fn run_kernel<B: Backend>(
+    backend: &B,
     shape: &ProbeShape,
     inputs: &ProbeInputs,
-    wq_b: &HostKernel<'_>,
-    wo_a: &HostKernel<'_>,
-    wo_b: &HostKernel<'_>,
+    [wq_b, wo_a, wo_b]: [&KernelTensor<B>; 3],
     sink: &[f32],
     rule: ScaleRule,
 ) -> Result<ProbeOutput, KernelError> {
@@ -221,16 +205,20 @@ fn run_kernel(
         (ScaleLayout::PackedUe8m0 { .. }, &[g, r, k]) => (g, r, k),
         (layout, s) => return Err(KernelError::Layout(format!("expected a packed [g, rows, K] wo_a, found {layout:?} {s:?}"))),
     };
-    let wo_a_views = (0..groups)
-        .map(|g| WeightView {
-            elements: &wo_a.weight[g * rows_per_group * k..(g + 1) * rows_per_group * k],
-            n: rows_per_group,
-            k,
-            scales: ScaleView::PackedUe8m0 { bytes: &wo_a.scale, group: g, rows_per_group },
-        })
-        .collect();
-    let views = LayerWeightsView { wq_b: linear_view(wq_b)?, wo_a: wo_a_views, wo_b: linear_view(wo_b)?, attn_sink: sink };
-    forward(shape, inputs, &views, Layouts::Kernel, rule)
+    let (wq_b, wo_b) = (linear_weight(wq_b)?, linear_weight(wo_b)?);
+    let wo_a_group = |g: usize| BackendWeight {
+        elements: &wo_a.weight,
+        offset: g * rows_per_group * k,
+        n: rows_per_group,
+        k,
+        scales: &wo_a.scale,
+        scales_layout: ScaleKind::PackedUe8m0 { group: g, rows_per_group },
+    };
+    forward_with(shape, inputs, sink, groups, Layouts::Kernel, rule, |which, a| match which {
+        LayerGemm::WqB => backend.mx_gemm(a, &wq_b),
+        LayerGemm::WoA(g) => backend.mx_gemm(a, &wo_a_group(g)),
+        LayerGemm::WoB => backend.mx_gemm(a, &wo_b),
+    })
 }
 
 fn row_major_view((e, s): &(Vec<u8>, Vec<u8>), n: usize) -> WeightView<'_> {

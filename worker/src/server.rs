@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use orchestrator_kernels::{CpuBackend, Digest, ScaleRule};
+use orchestrator_kernels::{Backend, Digest, ScaleRule};
 use orchestrator_model::{Generator, ModelConfig};
 use orchestrator_proto::v1::coordinator_client::CoordinatorClient;
 use orchestrator_proto::v1::worker_server::{Worker, WorkerServer};
@@ -20,7 +20,8 @@ use tonic::{Request, Response, Status};
 
 use crate::auth::{AllowedRoots, Token};
 use crate::collective::{Collective, LocalCollective, RingListener, TcpRing};
-use crate::faults::{Fault, inject};
+use crate::device::{AnyBackend, DeviceCollectives};
+use crate::faults::{Fault, inject_on};
 use crate::loader::{RankLoader, RankWeights};
 use crate::probe::{ProbeSpec, probe_rank_with};
 use crate::roundtrip::check_rank;
@@ -44,15 +45,17 @@ struct Plan {
 #[derive(Default)]
 struct State {
     plan: Option<Plan>,
-    weights: Option<RankWeights<CpuBackend>>,
+    weights: Option<RankWeights<AnyBackend>>,
     /// A staged version (rolling update): loaded beside the active weights, swapped in by Commit.
-    shadow: Option<(RankWeights<CpuBackend>, Arc<LoadSource>)>,
+    shadow: Option<(RankWeights<AnyBackend>, Arc<LoadSource>)>,
     /// Bumped by every Stage and Abort: a stage stores its result only if no later Stage or
     /// Abort came meanwhile (a stage abandoned by a coordinator that died can never land after
     /// its successor aborted or restaged).
     stage_epoch: u64,
     listener: Option<RingListener>,
     ring: Option<(u64, TcpRing)>,
+    /// The NCCL communicator of a GPU worker's TP group.
+    device_collectives: DeviceCollectives,
     load_seconds: f64,
 }
 
@@ -63,6 +66,8 @@ pub struct WorkerService {
     shutdown: Arc<Notify>,
     host: String,
     roots: Arc<AllowedRoots>,
+    /// The device this worker loads and probes on (the CPU unless started on a GPU).
+    backend: Arc<AnyBackend>,
 }
 
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
@@ -92,7 +97,7 @@ pub fn source_from(pb_source: Option<&pb::LoadSource>, roots: &AllowedRoots) -> 
 }
 
 /// The active weights and their source, or the staged ones.
-fn weights_of(st: &State, shadow: bool) -> Result<(&RankWeights<CpuBackend>, &LoadSource), Status> {
+fn weights_of(st: &State, shadow: bool) -> Result<(&RankWeights<AnyBackend>, &LoadSource), Status> {
     if shadow {
         let (w, s) = st.shadow.as_ref().ok_or_else(|| Status::failed_precondition("nothing staged"))?;
         Ok((w, s))
@@ -106,7 +111,18 @@ type ProgressStream = Pin<Box<dyn Stream<Item = Result<pb::LoadProgress, Status>
 
 impl WorkerService {
     pub fn new(shutdown: Arc<Notify>, roots: AllowedRoots) -> Self {
-        Self { state: Arc::new(Mutex::new(State::default())), shutdown, host: host_name(), roots: Arc::new(roots) }
+        Self::with_backend(shutdown, roots, AnyBackend::Cpu(orchestrator_kernels::CpuBackend))
+    }
+
+    /// A worker on `backend` (a GPU, say).
+    pub fn with_backend(shutdown: Arc<Notify>, roots: AllowedRoots, backend: AnyBackend) -> Self {
+        Self {
+            state: Arc::new(Mutex::new(State::default())),
+            shutdown,
+            host: host_name(),
+            roots: Arc::new(roots),
+            backend: Arc::new(backend),
+        }
     }
 
     /// Runs a load or reload on a blocking thread, streaming per-layer progress.
@@ -149,6 +165,7 @@ impl WorkerService {
         };
         let (tx, rx) = mpsc::channel(total + 2);
         let state = self.state.clone();
+        let backend = self.backend.clone();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let done = std::sync::atomic::AtomicUsize::new(0);
@@ -168,10 +185,10 @@ impl WorkerService {
                     load_seconds: 0.0,
                 }));
             };
-            let backend = CpuBackend;
-            let result = (|| -> Result<RankWeights<CpuBackend>, Status> {
+            let backend = &*backend;
+            let result = (|| -> Result<RankWeights<AnyBackend>, Status> {
                 let loader =
-                    RankLoader::new(&backend, source.config(), tp, rank, rule).map_err(|e| Status::invalid_argument(e.to_string()))?;
+                    RankLoader::new(backend, source.config(), tp, rank, rule).map_err(|e| Status::invalid_argument(e.to_string()))?;
                 if shadow {
                     return loader.load_with_progress(&source, &progress).map_err(|e| Status::internal(format!("stage: {e:#}")));
                 }
@@ -188,11 +205,11 @@ impl WorkerService {
                     _ => None,
                 };
                 if let Some(f) = injected {
-                    inject(&mut w, f).map_err(|e| Status::internal(format!("fault injection: {e}")))?;
-                    w.refresh_kernel_digests(&backend).map_err(|e| Status::internal(e.to_string()))?;
+                    inject_on(backend, &mut w, f).map_err(|e| Status::internal(format!("fault injection: {e}")))?;
+                    w.refresh_kernel_digests(backend).map_err(|e| Status::internal(e.to_string()))?;
                 }
                 if let Some(dir) = &dump_dir {
-                    crate::dump::dump_rank(&backend, &w, dir).map_err(|e| Status::internal(format!("dump: {e}")))?;
+                    crate::dump::dump_rank(backend, &w, dir).map_err(|e| Status::internal(format!("dump: {e}")))?;
                 }
                 Ok(w)
             })();
@@ -248,6 +265,12 @@ impl Worker for WorkerService {
         let listener =
             RingListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).map_err(|e| Status::internal(format!("collective listener: {e}")))?;
         let address = listener.local_addr().to_string();
+        // A GPU group's rank 0 creates the NCCL unique id; the coordinator relays it to the group.
+        let nccl_unique_id = if rank == 0 && self.backend.is_cuda() {
+            self.backend.nccl_unique_id().map_err(|e| Status::internal(format!("NCCL unique id: {e}")))?
+        } else {
+            Vec::new()
+        };
         let mut st = lock(&self.state);
         let stage_epoch = st.stage_epoch + 1;
         *st = State {
@@ -265,7 +288,7 @@ impl Worker for WorkerService {
             stage_epoch,
             ..State::default()
         };
-        Ok(Response::new(pb::AssignResponse { collective_address: address }))
+        Ok(Response::new(pb::AssignResponse { collective_address: address, nccl_unique_id }))
     }
 
     type LoadStream = ProgressStream;
@@ -337,11 +360,12 @@ impl Worker for WorkerService {
         let shadow = request.into_inner().shadow;
         let state = self.state.clone();
         let host = self.host.clone();
+        let backend = self.backend.clone();
         tokio::task::spawn_blocking(move || {
             let st = lock(&state);
             let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
             let (w, source) = weights_of(&st, shadow)?;
-            let rt = check_rank(&CpuBackend, w, source);
+            let rt = check_rank(&*backend, w, source);
             let id = &w.identity;
             let canonical = id.canonical_text();
             let geometry_text: String = canonical.lines().filter(|l| !l.starts_with("rank=")).map(|l| format!("{l}\n")).collect();
@@ -351,7 +375,7 @@ impl Worker for WorkerService {
                 dp_size: plan.dp_size as u32,
                 dp_rank: plan.dp_rank as u32,
                 host,
-                device: "cpu".into(),
+                device: backend.name(),
                 pid: std::process::id(),
                 load_format: w.load_format.to_string(),
                 source: w.source.clone(),
@@ -393,6 +417,7 @@ impl Worker for WorkerService {
     async fn probe(&self, request: Request<pb::ProbeRequest>) -> Result<Response<pb::ProbeResult>, Status> {
         let r = request.into_inner();
         let state = self.state.clone();
+        let backend = self.backend.clone();
         tokio::task::spawn_blocking(move || {
             let mut st = lock(&state);
             let st = &mut *st;
@@ -402,15 +427,20 @@ impl Worker for WorkerService {
             if spec.tokens == 0 || spec.latents == 0 {
                 return Err(Status::invalid_argument("probe: tokens and latents must be at least 1"));
             }
-            let backend = CpuBackend;
-            let loader = RankLoader::new(&backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule)
+            let loader = RankLoader::new(&*backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule)
                 .map_err(|e| Status::internal(e.to_string()))?;
             let p = probe_rank_with(&loader, w, source, spec, plan.rule, !r.skip_reference)
                 .map_err(|e| Status::internal(format!("probe: {e}")))?;
             // The TP all-reduce of y_partial, in rank order.
             let started = Instant::now();
             let mut y = p.y_partial.clone();
-            if plan.tp_size > 1 {
+            if !r.nccl_unique_id.is_empty() {
+                // GPU workers: NCCL, with the id the group's rank 0 created (world size 1 included).
+                let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms as u64 });
+                backend
+                    .nccl_all_reduce(&mut st.device_collectives, r.group, &r.nccl_unique_id, plan.tp_rank, plan.tp_size, timeout, &mut y)
+                    .map_err(|e| Status::unavailable(format!("all-reduce: {e}")))?;
+            } else if plan.tp_size > 1 {
                 let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms as u64 });
                 if st.ring.as_ref().is_none_or(|(g, _)| *g != r.group) {
                     let peers: Vec<SocketAddr> = r
@@ -480,7 +510,8 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let ServeConfig { listen, coordinator, worker_id, token, roots, coordinator_grace, tls } = config;
     let shutdown = Arc::new(Notify::new());
     let signal = crate::grpc::shutdown_signal();
-    let service = WorkerService::new(shutdown.clone(), roots);
+    let service = WorkerService::with_backend(shutdown.clone(), roots, AnyBackend::from_env()?);
+    let device = service.backend.name();
     let listener = tokio::net::TcpListener::bind(listen).await?;
     let address = listener.local_addr()?;
     let router = crate::grpc::standard_router::<WorkerServer<WorkerService>>(tls.as_ref()).await?;
@@ -492,7 +523,7 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             worker_id,
             address: format!("{}://{address}", crate::tls::scheme(tls.as_ref())),
             host: host_name(),
-            device: "cpu".into(),
+            device,
             pid: std::process::id(),
             protocol_version: orchestrator_proto::PROTOCOL_VERSION,
         };

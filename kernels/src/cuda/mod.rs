@@ -2,8 +2,16 @@
 //! the workspace compiles without CUDA; cudarc panics on first use when a library is missing,
 //! so every entry point checks the libraries here first and turns absence into an error.
 //!
-//! The CUDA implementation of [`crate::Backend`] (NVRTC kernels, NCCL) is a later milestone;
-//! until then `--device cuda` reports which libraries were found and stops with an error.
+//! [`CudaBackend`] implements [`crate::Backend`] on one GPU: buffers live in device memory,
+//! uploads go through pinned staging memory, and every layout step runs as a CUDA C kernel
+//! (`kernels.cu`, compiled at run time with NVRTC, once per backend). Digests and host views are
+//! computed on device-to-host copies with the CPU digest code, so they are the CPU definition.
+
+mod backend;
+pub mod bench;
+pub mod nccl;
+
+pub use backend::{CudaBackend, DeviceBuffer, KERNELS_CU};
 
 use crate::KernelError;
 

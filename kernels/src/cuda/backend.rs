@@ -1,0 +1,646 @@
+//! The CUDA [`Backend`]: device buffers, pinned uploads, and the NVRTC-compiled layout kernels.
+//!
+//! Every operation checks its arguments exactly as the CPU function it mirrors (same errors,
+//! same messages) before anything is launched, so bad input is an error, never a device fault
+//! or a panic. All work of a backend runs in order on one CUDA stream; buffers are reused by
+//! the loader's pools, and reuse is safe because the stream orders every read before the next
+//! write.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{CompileError, CompileOptions, compile_ptx_with_opts};
+
+use crate::backend::{Backend, BackendWeight, ScaleKind};
+use crate::digest::Digest;
+use crate::gemm::MxMatrix;
+use crate::layout;
+use crate::mxfp8::{self, ScaleRule};
+use crate::permutation::{BlockOrder, Permutation};
+use crate::{KernelError, cuda::CudaLibraries};
+
+/// The CUDA C source of every kernel.
+pub const KERNELS_CU: &str = include_str!("kernels.cu");
+
+/// Bytes per pinned staging slot (two slots: the host fills one while the other is copied).
+const STAGING_BYTES: usize = 8 << 20;
+/// Threads per block of the elementwise kernels.
+const THREADS: u32 = 256;
+/// Tokens per block of `mx_gemm` (`GEMM_TT` in kernels.cu) and outputs per block along N.
+const GEMM_TT: usize = 8;
+const GEMM_THREADS: u32 = 128;
+
+/// A byte buffer in device memory: an allocation (reused while large enough) and the bytes in
+/// use.
+pub struct DeviceBuffer {
+    mem: Option<CudaSlice<u8>>,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    fn capacity(&self) -> usize {
+        self.mem.as_ref().map_or(0, |m| m.len())
+    }
+}
+
+/// Turns a driver error into the numeric layer's device error.
+fn dev(what: &str) -> impl FnOnce(DriverError) -> KernelError + '_ {
+    move |e| KernelError::Device(format!("CUDA {what}: {e}"))
+}
+
+/// The kernels of one context.
+struct Kernels {
+    gather_runs: CudaFunction,
+    gather_runs_v16: CudaFunction,
+    expand_block_scales: CudaFunction,
+    quantize_bf16: CudaFunction,
+    swizzle_128x4: CudaFunction,
+    unswizzle_128x4: CudaFunction,
+    pack_ue8m0: CudaFunction,
+    unpack_ue8m0: CudaFunction,
+    mx_gemm: CudaFunction,
+}
+
+/// Page-locked host memory for one staging slot, with the event of the last copy from it.
+struct PinnedSlot {
+    ptr: *mut u8,
+    len: usize,
+    done: CudaEvent,
+}
+
+// SAFETY: the pointer is page-locked host memory owned by this slot; it is only touched under
+// the backend's staging mutex.
+unsafe impl Send for PinnedSlot {}
+
+impl Drop for PinnedSlot {
+    fn drop(&mut self) {
+        // Wait for the last copy out of this slot before freeing it.
+        let _ = self.done.synchronize();
+        // SAFETY: `ptr` came from `malloc_host` and is freed once.
+        let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
+    }
+}
+
+struct Staging {
+    slots: Vec<PinnedSlot>,
+    next: usize,
+}
+
+/// One GPU as a [`Backend`].
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    /// Every kernel, download and allocation.
+    stream: Arc<CudaStream>,
+    /// Host-to-device copies, so that they overlap the kernels of other tensors. cudarc's
+    /// per-buffer event tracking (on whenever a context has its own streams) orders each copy
+    /// after the earlier uses of its destination and each kernel after the copy of its inputs.
+    copy_stream: Arc<CudaStream>,
+    kernels: Kernels,
+    staging: Mutex<Staging>,
+    ordinal: usize,
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal` (after checking that the CUDA libraries are loadable), compiles the
+    /// kernels with NVRTC and allocates the pinned staging memory. Every failure, including a
+    /// panic inside cudarc (a driver without a symbol it expects), is a [`KernelError::Device`].
+    pub fn new(ordinal: usize) -> Result<Self, KernelError> {
+        CudaLibraries::probe().require_all()?;
+        match catch_unwind(AssertUnwindSafe(|| Self::open(ordinal))) {
+            Ok(r) => r,
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("unknown panic");
+                Err(KernelError::Device(format!("CUDA initialization of device {ordinal} failed: {msg}")))
+            }
+        }
+    }
+
+    /// How many GPUs this process sees: 0 when the CUDA libraries are missing or the driver has
+    /// no device (never a panic). GPU tests skip when this is 0.
+    pub fn device_count() -> usize {
+        if CudaLibraries::probe().require_all().is_err() {
+            return 0;
+        }
+        catch_unwind(|| CudaContext::device_count().ok()).ok().flatten().map_or(0, |n| n.max(0) as usize)
+    }
+
+    fn open(ordinal: usize) -> Result<Self, KernelError> {
+        let count = CudaContext::device_count().map_err(dev("device count"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(KernelError::Device(format!("CUDA device {ordinal} does not exist ({count} visible)")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(dev("context"))?;
+        let stream = ctx.new_stream().map_err(dev("stream"))?;
+        let copy_stream = ctx.new_stream().map_err(dev("stream"))?;
+        let (major, minor) = ctx.compute_capability().map_err(dev("compute capability"))?;
+        let kernels = compile(&ctx, major, minor)?;
+        let mut slots = Vec::with_capacity(2);
+        for _ in 0..2 {
+            // SAFETY: a plain page-locked allocation; freed by `PinnedSlot::drop`.
+            let ptr = unsafe { cudarc::driver::result::malloc_host(STAGING_BYTES, 0) }.map_err(dev("pinned allocation"))?;
+            let done = ctx.new_event(None).map_err(dev("event"))?;
+            slots.push(PinnedSlot { ptr: ptr.cast(), len: STAGING_BYTES, done });
+        }
+        Ok(Self { ctx, stream, copy_stream, kernels, staging: Mutex::new(Staging { slots, next: 0 }), ordinal })
+    }
+
+    /// The device's name (for reports and benchmarks).
+    pub fn device_name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+    }
+
+    /// Waits for all work queued on the backend's streams (copies and kernels).
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        self.copy_stream.synchronize().map_err(dev("synchronize"))?;
+        self.stream.synchronize().map_err(dev("synchronize"))
+    }
+
+    /// The backend's stream (NCCL runs its collectives on it).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The backend's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Makes `buf` hold `bytes` bytes, reusing its allocation when large enough. The contents
+    /// are unspecified.
+    fn ensure(&self, buf: &mut DeviceBuffer, bytes: usize) -> Result<(), KernelError> {
+        if buf.capacity() < bytes || buf.mem.is_none() {
+            // SAFETY: every caller writes the bytes it then reads.
+            let mem = unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.map_err(dev("allocation"))?;
+            // The allocation is ordered on the compute stream; the copy stream may write it only
+            // after that point.
+            let allocated = self.stream.record_event(None).map_err(dev("event"))?;
+            self.copy_stream.wait(&allocated).map_err(dev("stream wait"))?;
+            buf.mem = Some(mem);
+        }
+        buf.len = bytes;
+        Ok(())
+    }
+
+    /// A device buffer holding `host` (small uploads: permutations, activations).
+    fn upload_new<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, KernelError> {
+        if host.is_empty() {
+            // SAFETY: a one-element allocation nothing reads.
+            return unsafe { self.stream.alloc::<T>(1) }.map_err(dev("allocation"));
+        }
+        self.stream.clone_htod(host).map_err(dev("upload"))
+    }
+
+    /// Copies `host` to `dst` through the pinned staging slots on the copy stream: the host fills
+    /// one slot while the DMA engine copies the other, and the copies overlap the kernels of
+    /// other tensors queued on the compute stream.
+    fn h2d(&self, host: &[u8], dst: &mut CudaSlice<u8>) -> Result<(), KernelError> {
+        if host.len() > dst.len() {
+            return Err(KernelError::Device(format!("upload of {} bytes into {} bytes", host.len(), dst.len())));
+        }
+        let mut staging = self.staging.lock().map_err(|_| KernelError::Device("the staging lock is poisoned".into()))?;
+        self.ctx.bind_to_thread().map_err(dev("bind"))?;
+        // Waits for earlier uses of `dst`; records the write when `_written` drops, after the last
+        // copy is queued.
+        let (base, _written) = dst.device_ptr_mut(&self.copy_stream);
+        let mut offset = 0usize;
+        for chunk in host.chunks(STAGING_BYTES) {
+            let next = staging.next;
+            staging.next = (next + 1) % staging.slots.len();
+            let slot = &mut staging.slots[next];
+            // The previous copy out of this slot must finish before it is overwritten.
+            slot.done.synchronize().map_err(dev("staging event"))?;
+            // SAFETY: the slot holds `slot.len >= chunk.len()` bytes of page-locked memory that no
+            // copy is reading (synchronized above).
+            let pinned = unsafe { std::slice::from_raw_parts_mut(slot.ptr, slot.len) };
+            pinned[..chunk.len()].copy_from_slice(chunk);
+            // SAFETY: `base + offset .. + chunk.len()` lies inside `dst` (checked above); the pinned
+            // bytes stay untouched until `done` completes.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(base + offset as u64, &pinned[..chunk.len()], self.copy_stream.cu_stream())
+            }
+            .map_err(dev("host-to-device copy"))?;
+            slot.done.record(&self.copy_stream).map_err(dev("staging event"))?;
+            offset += chunk.len();
+        }
+        Ok(())
+    }
+
+    fn mem<'a>(&self, buf: &'a DeviceBuffer, what: &str) -> Result<&'a CudaSlice<u8>, KernelError> {
+        buf.mem.as_ref().ok_or_else(|| KernelError::Device(format!("{what}: the buffer holds no device memory")))
+    }
+
+    fn grid(&self, n: usize) -> LaunchConfig {
+        let blocks = n.div_ceil(THREADS as usize).clamp(1, 65_535 * 8) as u32;
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// Reads back a device flag/counter of type T after the stream drains.
+    fn read_back<T: cudarc::driver::DeviceRepr + Default + Clone>(&self, v: &CudaSlice<T>) -> Result<T, KernelError> {
+        let host = self.stream.clone_dtoh(v).map_err(dev("device-to-host copy"))?;
+        self.synchronize()?;
+        Ok(host.first().cloned().unwrap_or_default())
+    }
+
+    /// `mode` 0/1/2 as in `quantize_bf16` of kernels.cu.
+    #[allow(clippy::too_many_arguments)]
+    fn quantize_on_device(
+        &self,
+        bf16: &CudaSlice<u8>,
+        rows: usize,
+        k: usize,
+        rule: ScaleRule,
+        order: BlockOrder<'_>,
+        elements: &mut DeviceBuffer,
+        scales: &mut DeviceBuffer,
+    ) -> Result<(), KernelError> {
+        let blocks = k / mxfp8::BLOCK;
+        let (mode, perm): (i32, &[u32]) = match order {
+            BlockOrder::Identity => (0, &[]),
+            BlockOrder::Rows(p) => (1, p.as_slice()),
+            BlockOrder::Chunks(p) => (2, p.as_slice()),
+        };
+        self.ensure(elements, rows * k)?;
+        self.ensure(scales, rows * blocks)?;
+        if rows * blocks == 0 {
+            return Ok(());
+        }
+        let perm_d = self.upload_new(perm)?;
+        let err = self.upload_new(&[u64::MAX])?;
+        let rule_i: i32 = match rule {
+            ScaleRule::Rceil => 0,
+            ScaleRule::Floor => 1,
+        };
+        let (rows_u, k_u) = (rows as u64, k as u64);
+        let e = elements.mem.as_mut().expect("ensured");
+        let s = scales.mem.as_mut().expect("ensured");
+        let mut launch = self.stream.launch_builder(&self.kernels.quantize_bf16);
+        launch.arg(bf16).arg(e).arg(s).arg(&rows_u).arg(&k_u).arg(&rule_i).arg(&mode).arg(&perm_d).arg(&err);
+        // SAFETY: the argument list matches `quantize_bf16` in kernels.cu; every buffer holds the
+        // bytes the kernel indexes (checked by the caller and `ensure`).
+        unsafe { launch.launch(self.grid(rows * blocks)) }.map_err(dev("quantize_bf16 launch"))?;
+        let at = self.read_back(&err)?;
+        if at != u64::MAX {
+            // A destination position: map it back to the source (checkpoint-order) row and column.
+            let (row, col) = ((at / k_u) as usize, (at % k_u) as usize);
+            let (src_row, src_col) = match order {
+                BlockOrder::Identity => (row, col),
+                BlockOrder::Rows(p) => (p.as_slice()[row] as usize, col),
+                BlockOrder::Chunks(p) => (row, p.as_slice()[col / mxfp8::BLOCK] as usize * mxfp8::BLOCK + col % mxfp8::BLOCK),
+            };
+            return Err(KernelError::NonFinite { row: src_row, col: src_col });
+        }
+        Ok(())
+    }
+
+    /// `out[t, n] = sum_k a[t, k] * w[n, k]` on the device, bit-identical to [`crate::gemm::gemm`]
+    /// (see kernels.cu). Returns `[T, n]` row-major on the host.
+    fn device_gemm(&self, a: &MxMatrix, w: &BackendWeight<'_, Self>) -> Result<Vec<f32>, KernelError> {
+        let BackendWeight { elements, offset, n, k, scales, scales_layout: layout } = *w;
+        let c = k / mxfp8::BLOCK;
+        if !k.is_multiple_of(mxfp8::BLOCK) || a.k != k || offset + n * k > elements.len || !offset.is_multiple_of(16) {
+            return Err(KernelError::Shape(format!(
+                "device GEMM of [{}, {}] activations with a [{n}, {k}] weight at byte {offset} of {}",
+                a.rows, a.k, elements.len
+            )));
+        }
+        let (mode, group, rows_per_group, need): (i32, usize, usize, usize) = match layout {
+            ScaleKind::RowMajor => (0, 0, 0, n * c),
+            ScaleKind::Swizzled128x4 => (1, 0, 0, layout::swizzled_len(n, c)),
+            ScaleKind::PackedUe8m0 { group, rows_per_group } => {
+                if rows_per_group != n || !c.is_multiple_of(4) {
+                    return Err(KernelError::Shape(format!("packed scales of {rows_per_group} rows for a weight of {n} rows")));
+                }
+                (2, group, rows_per_group, (group + 1) * rows_per_group * c)
+            }
+        };
+        if scales.len < need {
+            return Err(KernelError::Shape(format!("device GEMM scales hold {} bytes, need {need}", scales.len)));
+        }
+        if a.rows == 0 || n == 0 {
+            return Ok(vec![0f32; a.rows * n]);
+        }
+        let a_d = self.upload_new(&a.dequantize())?;
+        // SAFETY: fully written by the kernel before it is read.
+        let mut out = unsafe { self.stream.alloc::<f32>(a.rows * n) }.map_err(dev("allocation"))?;
+        let w = self.mem(elements, "GEMM weight")?;
+        let w_view = w.try_slice(offset..).ok_or_else(|| KernelError::Shape(format!("weight offset {offset} out of range")))?;
+        let s = self.mem(scales, "GEMM scales")?;
+        let (t_u, n_u, k_u, g_u, r_u) = (a.rows as u64, n as u64, k as u64, group as u64, rows_per_group as u64);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(GEMM_THREADS as usize) as u32, a.rows.div_ceil(GEMM_TT) as u32, 1),
+            block_dim: (GEMM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.stream.launch_builder(&self.kernels.mx_gemm);
+        launch.arg(&a_d).arg(&t_u).arg(&w_view).arg(s).arg(&n_u).arg(&k_u).arg(&mode).arg(&g_u).arg(&r_u).arg(&mut out);
+        // SAFETY: matches `mx_gemm` in kernels.cu; sizes checked above.
+        unsafe { launch.launch(cfg) }.map_err(dev("mx_gemm launch"))?;
+        let host = self.stream.clone_dtoh(&out).map_err(dev("device-to-host copy"))?;
+        self.synchronize()?;
+        Ok(host)
+    }
+
+    /// Device-to-device copy of `src` into `dst` (the bandwidth yardstick of the benchmarks).
+    pub fn copy(&self, src: &DeviceBuffer, dst: &mut DeviceBuffer) -> Result<(), KernelError> {
+        self.ensure(dst, src.len)?;
+        if src.len == 0 {
+            return Ok(());
+        }
+        let s = self.mem(src, "copy source")?.slice(..src.len);
+        let d = dst.mem.as_mut().expect("ensured");
+        let mut d = d.slice_mut(..src.len);
+        self.stream.memcpy_dtod(&s, &mut d).map_err(dev("device-to-device copy"))
+    }
+}
+
+fn compile(ctx: &Arc<CudaContext>, major: i32, minor: i32) -> Result<Kernels, KernelError> {
+    let opts = CompileOptions {
+        ftz: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        fmad: Some(false),
+        options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+        name: Some("orchestrator_kernels.cu".into()),
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(KERNELS_CU, opts).map_err(|e| match e {
+        CompileError::CompileError { nvrtc, log, .. } => {
+            KernelError::Device(format!("NVRTC could not compile kernels.cu ({nvrtc:?}):\n{}", log.to_string_lossy()))
+        }
+        other => KernelError::Device(format!("NVRTC: {other}")),
+    })?;
+    let module = ctx.load_module(ptx).map_err(dev("module load"))?;
+    let f = |name: &str| module.load_function(name).map_err(|e| KernelError::Device(format!("CUDA kernel `{name}`: {e}")));
+    Ok(Kernels {
+        gather_runs: f("gather_runs")?,
+        gather_runs_v16: f("gather_runs_v16")?,
+        expand_block_scales: f("expand_block_scales")?,
+        quantize_bf16: f("quantize_bf16")?,
+        swizzle_128x4: f("swizzle_128x4")?,
+        unswizzle_128x4: f("unswizzle_128x4")?,
+        pack_ue8m0: f("pack_ue8m0")?,
+        unpack_ue8m0: f("unpack_ue8m0")?,
+        mx_gemm: f("mx_gemm")?,
+    })
+}
+
+impl Backend for CudaBackend {
+    type Buffer = DeviceBuffer;
+
+    fn name(&self) -> String {
+        format!("cuda:{}", self.ordinal)
+    }
+    fn empty(&self) -> DeviceBuffer {
+        DeviceBuffer { mem: None, len: 0 }
+    }
+    fn len(&self, buf: &DeviceBuffer) -> usize {
+        buf.len
+    }
+    fn capacity(&self, buf: &DeviceBuffer) -> usize {
+        buf.capacity()
+    }
+    fn allocation_id(&self, buf: &DeviceBuffer) -> usize {
+        buf.mem.as_ref().map_or(0, |m| m.device_ptr(&self.stream).0 as usize)
+    }
+    fn upload(&self, host: &[u8], dst: &mut DeviceBuffer) -> Result<(), KernelError> {
+        self.ensure(dst, host.len())?;
+        if host.is_empty() {
+            return Ok(());
+        }
+        let mem = dst.mem.as_mut().expect("ensured");
+        self.h2d(host, mem)
+    }
+    fn quantize_bf16_host(
+        &self,
+        bf16: &[u8],
+        rows: usize,
+        k: usize,
+        rule: ScaleRule,
+        order: BlockOrder<'_>,
+        elements: &mut DeviceBuffer,
+        scales: &mut DeviceBuffer,
+    ) -> Result<(), KernelError> {
+        check_bf16(bf16.len(), rows, k, order)?;
+        let mut staged = self.empty();
+        self.upload(bf16, &mut staged)?;
+        let src = self.mem(&staged, "BF16 source")?;
+        self.quantize_on_device(src, rows, k, rule, order, elements, scales)
+    }
+    fn download(&self, src: &DeviceBuffer, dst: &mut Vec<u8>) -> Result<(), KernelError> {
+        dst.clear();
+        dst.resize(src.len, 0);
+        if src.len == 0 {
+            return Ok(());
+        }
+        let view = self.mem(src, "download")?.slice(..src.len);
+        self.stream.memcpy_dtoh(&view, dst.as_mut_slice()).map_err(dev("device-to-host copy"))?;
+        self.synchronize()
+    }
+    fn digest(&self, buf: &DeviceBuffer) -> Result<Digest, KernelError> {
+        let mut host = Vec::new();
+        self.download(buf, &mut host)?;
+        Ok(Digest::of(&host))
+    }
+    fn expand_block_scales(
+        &self,
+        block_scale: &DeviceBuffer,
+        rows: usize,
+        k: usize,
+        block: [usize; 2],
+        dst: &mut DeviceBuffer,
+    ) -> Result<(), KernelError> {
+        let [bm, bk] = block;
+        if bm == 0 || bk == 0 || bk % mxfp8::BLOCK != 0 || !rows.is_multiple_of(bm) || !k.is_multiple_of(bk) {
+            return Err(KernelError::Shape(format!("cannot expand {bm}x{bk} block scales over [{rows}, {k}]")));
+        }
+        let (block_rows, block_cols) = (rows / bm, k / bk);
+        if block_scale.len != block_rows * block_cols {
+            return Err(KernelError::Shape(format!("block scale has {} bytes, expected [{block_rows}, {block_cols}]", block_scale.len)));
+        }
+        let c = k / mxfp8::BLOCK;
+        self.ensure(dst, rows * c)?;
+        if rows * c == 0 {
+            return Ok(());
+        }
+        let src = self.mem(block_scale, "block scale")?;
+        let d = dst.mem.as_mut().expect("ensured");
+        let args = [rows as u64, c as u64, bm as u64, block_cols as u64, (bk / mxfp8::BLOCK) as u64];
+        let mut launch = self.stream.launch_builder(&self.kernels.expand_block_scales);
+        launch.arg(src).arg(d);
+        for a in &args {
+            launch.arg(a);
+        }
+        // SAFETY: matches `expand_block_scales` in kernels.cu; sizes checked above.
+        unsafe { launch.launch(self.grid(rows * c)) }.map_err(dev("expand_block_scales launch"))?;
+        Ok(())
+    }
+    fn quantize_bf16_rows(
+        &self,
+        bf16: &DeviceBuffer,
+        rows: usize,
+        k: usize,
+        rule: ScaleRule,
+        elements: &mut DeviceBuffer,
+        scales: &mut DeviceBuffer,
+    ) -> Result<(), KernelError> {
+        check_bf16(bf16.len, rows, k, BlockOrder::Identity)?;
+        if rows * k == 0 {
+            self.ensure(elements, 0)?;
+            return self.ensure(scales, 0);
+        }
+        let src = self.mem(bf16, "BF16 source")?;
+        self.quantize_on_device(src, rows, k, rule, BlockOrder::Identity, elements, scales)
+    }
+    fn gather_runs(
+        &self,
+        src: &DeviceBuffer,
+        row_bytes: usize,
+        run_bytes: usize,
+        perm: &Permutation,
+        dst: &mut DeviceBuffer,
+    ) -> Result<(), KernelError> {
+        if run_bytes == 0 || row_bytes != perm.len() * run_bytes || !src.len.is_multiple_of(row_bytes.max(1)) {
+            return Err(KernelError::Shape(format!(
+                "cannot gather {} runs of {run_bytes} bytes from rows of {row_bytes} bytes ({} bytes in all)",
+                perm.len(),
+                src.len
+            )));
+        }
+        self.ensure(dst, src.len)?;
+        if src.len == 0 {
+            return Ok(());
+        }
+        let perm_d = self.upload_new(perm.as_slice())?;
+        let s = self.mem(src, "gather source")?;
+        let d = dst.mem.as_mut().expect("ensured");
+        let n_runs = perm.len() as u64;
+        let (f, total, run) = if run_bytes.is_multiple_of(16) {
+            (&self.kernels.gather_runs_v16, src.len / 16, run_bytes / 16)
+        } else {
+            (&self.kernels.gather_runs, src.len, run_bytes)
+        };
+        let (total_u, run_u) = (total as u64, run as u64);
+        let mut launch = self.stream.launch_builder(f);
+        launch.arg(s).arg(d).arg(&perm_d).arg(&total_u).arg(&n_runs).arg(&run_u);
+        // SAFETY: matches `gather_runs` / `gather_runs_v16`; every index is inside `src` (perm is a
+        // bijection on 0..n_runs and src holds whole rows); device allocations are 256-byte
+        // aligned, so 16-byte words are aligned.
+        unsafe { launch.launch(self.grid(total)) }.map_err(dev("gather_runs launch"))?;
+        Ok(())
+    }
+    fn swizzle_128x4(&self, src: &DeviceBuffer, m: usize, c: usize, dst: &mut DeviceBuffer) -> Result<(), KernelError> {
+        check_len("scale to swizzle", src.len, m * c)?;
+        let total = layout::swizzled_len(m, c);
+        self.ensure(dst, total)?;
+        if total == 0 {
+            return Ok(());
+        }
+        let d = dst.mem.as_mut().expect("ensured");
+        let empty;
+        let s = match src.mem.as_ref() {
+            Some(s) => s,
+            None => {
+                empty = self.upload_new(&[0u8])?;
+                &empty
+            }
+        };
+        let (m_u, c_u, t_u) = (m as u64, c as u64, total as u64);
+        let mut launch = self.stream.launch_builder(&self.kernels.swizzle_128x4);
+        launch.arg(s).arg(d).arg(&m_u).arg(&c_u).arg(&t_u);
+        // SAFETY: matches `swizzle_128x4`; reads only (i < m, j < c).
+        unsafe { launch.launch(self.grid(total)) }.map_err(dev("swizzle_128x4 launch"))?;
+        Ok(())
+    }
+    fn unswizzle_128x4(&self, src: &DeviceBuffer, m: usize, c: usize, dst: &mut DeviceBuffer) -> Result<(), KernelError> {
+        check_len("swizzled scale", src.len, layout::swizzled_len(m, c))?;
+        self.ensure(dst, m * c)?;
+        if src.len == 0 {
+            return Ok(());
+        }
+        let bad = self.upload_new(&[0u32])?;
+        let s = self.mem(src, "swizzled scale")?;
+        let d = dst.mem.as_mut().expect("ensured");
+        let (m_u, c_u, t_u) = (m as u64, c as u64, src.len as u64);
+        let mut launch = self.stream.launch_builder(&self.kernels.unswizzle_128x4);
+        launch.arg(s).arg(d).arg(&m_u).arg(&c_u).arg(&t_u).arg(&bad);
+        // SAFETY: matches `unswizzle_128x4`; sizes checked above.
+        unsafe { launch.launch(self.grid(src.len)) }.map_err(dev("unswizzle_128x4 launch"))?;
+        let nonzero = self.read_back(&bad)?;
+        if nonzero != 0 {
+            return Err(KernelError::Layout(format!("swizzled [{m}, {c}] scale has {nonzero} non-zero padding bytes")));
+        }
+        Ok(())
+    }
+    fn pack_ue8m0(&self, src: &DeviceBuffer, groups: usize, rows: usize, c: usize, dst: &mut DeviceBuffer) -> Result<(), KernelError> {
+        if !c.is_multiple_of(4) || !rows.is_multiple_of(4) {
+            return Err(KernelError::Shape(format!("packed UE8M0 needs scale columns ({c}) and rows ({rows}) that are multiples of 4")));
+        }
+        check_len("scale to pack", src.len, groups * rows * c)?;
+        self.launch_pack(&self.kernels.pack_ue8m0, src, groups, rows, c, dst)
+    }
+    fn unpack_ue8m0(&self, src: &DeviceBuffer, groups: usize, rows: usize, c: usize, dst: &mut DeviceBuffer) -> Result<(), KernelError> {
+        check_len("packed scale", src.len, groups * rows * c)?;
+        if !c.is_multiple_of(4) {
+            return Err(KernelError::Shape(format!("packed UE8M0 needs columns ({c}) a multiple of 4")));
+        }
+        self.launch_pack(&self.kernels.unpack_ue8m0, src, groups, rows, c, dst)
+    }
+    fn mx_gemm(&self, a: &MxMatrix, w: &BackendWeight<'_, Self>) -> Result<Vec<f32>, KernelError> {
+        self.device_gemm(a, w)
+    }
+}
+
+impl CudaBackend {
+    fn launch_pack(
+        &self,
+        f: &CudaFunction,
+        src: &DeviceBuffer,
+        groups: usize,
+        rows: usize,
+        c: usize,
+        dst: &mut DeviceBuffer,
+    ) -> Result<(), KernelError> {
+        self.ensure(dst, src.len)?;
+        let words = src.len / 4;
+        if words == 0 {
+            return Ok(());
+        }
+        let s = self.mem(src, "scale")?;
+        let d = dst.mem.as_mut().expect("ensured");
+        let (g_u, r_u, k4_u) = (groups as u64, rows as u64, (c / 4) as u64);
+        let mut launch = self.stream.launch_builder(f);
+        launch.arg(s).arg(d).arg(&g_u).arg(&r_u).arg(&k4_u);
+        // SAFETY: matches `pack_ue8m0` / `unpack_ue8m0`; `src` holds groups*rows*c bytes.
+        unsafe { launch.launch(self.grid(words)) }.map_err(dev("pack launch"))?;
+        Ok(())
+    }
+}
+
+fn check_len(what: &str, got: usize, want: usize) -> Result<(), KernelError> {
+    if got != want {
+        return Err(KernelError::Shape(format!("{what}: {got} bytes, expected {want}")));
+    }
+    Ok(())
+}
+
+/// The argument checks of [`mxfp8::quantize_bf16_ordered`], with its messages.
+fn check_bf16(bytes: usize, rows: usize, k: usize, order: BlockOrder<'_>) -> Result<(), KernelError> {
+    if !k.is_multiple_of(mxfp8::BLOCK) || bytes != rows * k * 2 {
+        return Err(KernelError::Shape(format!("BF16 matrix of {bytes} bytes is not [{rows}, {k}] with K a multiple of {}", mxfp8::BLOCK)));
+    }
+    let blocks = k / mxfp8::BLOCK;
+    match order {
+        BlockOrder::Rows(p) if p.len() != rows => Err(KernelError::Shape(format!("row permutation of {} rows applied to {rows}", p.len()))),
+        BlockOrder::Chunks(p) if p.len() != blocks => {
+            Err(KernelError::Shape(format!("block permutation of {} blocks applied to {blocks} per row", p.len())))
+        }
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,241 @@
+// Device kernels of the CUDA backend (compiled at run time with NVRTC, once per context).
+// Every kernel is the device twin of a CPU function in `kernels/src` and must produce the same
+// bytes: integer work is copied index for index, and float arithmetic uses explicitly rounded
+// intrinsics (__fmul_rn, __fadd_rn, __fdiv_rn) so that no contraction or fast math can change a
+// bit. Compiled with --fmad=false --ftz=false --prec-div=true.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define GRID_STRIDE(i, n) for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)blockDim.x * gridDim.x)
+
+// ---- permutation.rs: gather_runs -------------------------------------------------------------
+// dst[row][f] = src[row][perm[f]] over runs of `run_bytes` bytes; rows of n_runs * run_bytes.
+extern "C" __global__ void gather_runs(const u8* src, u8* dst, const u32* perm, u64 total, u64 n_runs, u64 run_bytes) {
+    u64 row_bytes = n_runs * run_bytes;
+    GRID_STRIDE(i, total) {
+        u64 row = i / row_bytes, rem = i % row_bytes;
+        u64 f = rem / run_bytes, b = rem % run_bytes;
+        dst[i] = src[row * row_bytes + (u64)perm[f] * run_bytes + b];
+    }
+}
+
+// The same on 16-byte words (run_bytes a multiple of 16; buffers are 256-byte aligned).
+// Sizes count words.
+extern "C" __global__ void gather_runs_v16(const uint4* src, uint4* dst, const u32* perm, u64 total, u64 n_runs, u64 run_words) {
+    u64 row_words = n_runs * run_words;
+    GRID_STRIDE(i, total) {
+        u64 row = i / row_words, rem = i % row_words;
+        u64 f = rem / run_words, b = rem % run_words;
+        dst[i] = src[row * row_words + (u64)perm[f] * run_words + b];
+    }
+}
+
+// ---- backend.rs: expand_block_scales --------------------------------------------------------
+extern "C" __global__ void expand_block_scales(const u8* src, u8* dst, u64 rows, u64 c, u64 bm, u64 block_cols, u64 per_block) {
+    GRID_STRIDE(i, rows * c) {
+        u64 r = i / c, j = i % c;
+        dst[i] = src[(r / bm) * block_cols + j / per_block];
+    }
+}
+
+// ---- e4m3.rs / e8m0.rs / mxfp8.rs -----------------------------------------------------------
+__device__ __forceinline__ int binary_exponent(u32 bits) {
+    int biased = (int)(bits >> 23);
+    if (biased != 0) return biased - 127;
+    u32 mant = bits & 0x7FFFFFu;
+    return (31 - __clz(mant)) - 149;
+}
+
+__device__ __forceinline__ bool is_power_of_two(u32 bits) {
+    if ((bits >> 23) != 0) return (bits & 0x7FFFFFu) == 0;
+    u32 m = bits & 0x7FFFFFu;
+    return m != 0 && (m & (m - 1)) == 0;
+}
+
+// rule 0 = rceil, 1 = floor. amax finite and > 0.
+__device__ __forceinline__ int scale_exponent(float amax, int rule) {
+    int e;
+    if (rule == 0) {
+        float s = __fdiv_rn(amax, 448.0f);
+        u32 sb = __float_as_uint(s);
+        if (sb == 0) e = -127;
+        else e = binary_exponent(sb) + (is_power_of_two(sb) ? 0 : 1);
+    } else {
+        e = binary_exponent(__float_as_uint(amax)) - 8;
+    }
+    return e < -127 ? -127 : (e > 127 ? 127 : e);
+}
+
+// 2^e for e in [-149, 127], exactly.
+__device__ __forceinline__ float pow2(int e) {
+    return e >= -126 ? __uint_as_float((u32)(e + 127) << 23) : __uint_as_float(1u << (e + 149));
+}
+
+// Round a finite f32 to E4M3fn: nearest even, saturating to +-448 (e4m3::from_f32_saturating).
+__device__ __forceinline__ u8 e4m3_from_f32(float x) {
+    u32 bits = __float_as_uint(x);
+    u8 sign = (u8)((bits >> 24) & 0x80u);
+    u32 a = bits & 0x7FFFFFFFu;
+    if (a >= 0x43E00000u) return sign | 0x7E;
+    if (a < 0x3C800000u) {
+        float q = rintf(__fmul_rn(__uint_as_float(a), 512.0f));
+        return sign | (u8)q;
+    }
+    int exp = (int)(a >> 23) - 127;
+    u32 mant = a & 0x7FFFFFu;
+    u32 m3 = mant >> 20;
+    u32 rest = mant & 0xFFFFFu;
+    if (rest > 0x80000u || (rest == 0x80000u && (m3 & 1u) == 1u)) m3 += 1;
+    u32 biased = (u32)(exp + 7);
+    if (m3 == 8) { m3 = 0; biased += 1; }
+    if (biased > 15 || (biased == 15 && m3 == 7)) return sign | 0x7E;
+    return sign | (u8)(biased << 3) | (u8)m3;
+}
+
+__device__ __forceinline__ float e4m3_to_f32(u8 b) {
+    u32 exp = (b >> 3) & 0xFu, man = b & 7u;
+    float v;
+    if ((b & 0x7F) == 0x7F) v = __uint_as_float(0x7FC00000u);
+    else if (exp == 0) v = __fmul_rn((float)man, 1.0f / 512.0f);
+    else v = __uint_as_float(((exp - 7 + 127) << 23) | (man << 20));
+    return (b & 0x80) ? -v : v;
+}
+
+__device__ __forceinline__ float e8m0_to_f32(u8 b) {
+    if (b == 0xFF) return __uint_as_float(0x7FC00000u);
+    return pow2((int)b - 127);
+}
+
+// MXFP8-quantizes BF16 rows [rows, k] (little-endian) along K, one thread per 32-element
+// destination block, writing straight into the layout `mode` names:
+// 0 identity; 1 destination row r reads source row perm[r]; 2 destination block j of every row
+// reads source block perm[j]. A NaN or infinity records the smallest *destination* element
+// index that holds one in *err (the CPU reports the first in destination order).
+extern "C" __global__ void quantize_bf16(const u16* src, u8* elements, u8* scales, u64 rows, u64 k, int rule, int mode,
+                                         const u32* perm, u64* err) {
+    u64 c = k / 32;
+    GRID_STRIDE(blk, rows * c) {
+        u64 row = blk / c, j = blk % c;
+        u64 src_row = mode == 1 ? (u64)perm[row] : row;
+        u64 src_j = mode == 2 ? (u64)perm[j] : j;
+        const u16* in = src + src_row * k + src_j * 32;
+        u16 h[32];
+        u16 amax = 0;
+        int bad = -1;
+        for (int i = 0; i < 32; ++i) {
+            h[i] = in[i];
+            u16 m = h[i] & 0x7FFF;
+            if (m > amax) amax = m;
+            if (bad < 0 && (h[i] & 0x7F80) == 0x7F80) bad = i;
+        }
+        u8* out = elements + row * k + j * 32;
+        if (bad >= 0) {
+            atomicMin(err, row * k + j * 32 + (u64)bad);
+            scales[blk] = 0;
+            continue;
+        }
+        if (amax == 0) {
+            for (int i = 0; i < 32; ++i) out[i] = 0;
+            scales[blk] = 0;
+            continue;
+        }
+        int e = scale_exponent(__uint_as_float((u32)amax << 16), rule);
+        float inv = pow2(-e);
+        for (int i = 0; i < 32; ++i) out[i] = e4m3_from_f32(__fmul_rn(__uint_as_float((u32)h[i] << 16), inv));
+        scales[blk] = (u8)(e + 127);
+    }
+}
+
+// ---- layout.rs ------------------------------------------------------------------------------
+__device__ __forceinline__ u64 swizzle_offset(u64 i, u64 j, u64 c) {
+    u64 c4 = (c + 3) / 4;
+    return ((i / 128) * c4 + j / 4) * 512 + (i % 32) * 16 + ((i % 128) / 32) * 4 + j % 4;
+}
+
+// One thread per swizzled byte (padding written as zero).
+extern "C" __global__ void swizzle_128x4(const u8* src, u8* dst, u64 m, u64 c, u64 total) {
+    u64 c4 = (c + 3) / 4;
+    GRID_STRIDE(o, total) {
+        u64 tile = o / 512, w = o % 512;
+        u64 i = (tile / c4) * 128 + ((w % 16) / 4) * 32 + w / 16;
+        u64 j = (tile % c4) * 4 + w % 4;
+        dst[o] = (i < m && j < c) ? src[i * c + j] : 0;
+    }
+}
+
+// Inverse; counts non-zero padding bytes in *bad_padding.
+extern "C" __global__ void unswizzle_128x4(const u8* src, u8* dst, u64 m, u64 c, u64 total, unsigned int* bad_padding) {
+    u64 c4 = (c + 3) / 4;
+    GRID_STRIDE(o, total) {
+        u64 tile = o / 512, w = o % 512;
+        u64 i = (tile / c4) * 128 + ((w % 16) / 4) * 32 + w / 16;
+        u64 j = (tile % c4) * 4 + w % 4;
+        if (i < m && j < c) dst[i * c + j] = src[o];
+        else if (src[o] != 0) atomicAdd(bad_padding, 1u);
+    }
+}
+
+// DeepGEMM packed UE8M0, MN-major: word ((g*k4 + q)*rows + r) = bytes (g*rows + r)*c + 4q .. +4.
+extern "C" __global__ void pack_ue8m0(const u32* src, u32* dst, u64 groups, u64 rows, u64 k4) {
+    GRID_STRIDE(w, groups * k4 * rows) {
+        u64 g = w / (k4 * rows), rem = w % (k4 * rows);
+        u64 q = rem / rows, r = rem % rows;
+        dst[w] = src[(g * rows + r) * k4 + q];
+    }
+}
+
+extern "C" __global__ void unpack_ue8m0(const u32* src, u32* dst, u64 groups, u64 rows, u64 k4) {
+    GRID_STRIDE(w, groups * k4 * rows) {
+        u64 g = w / (k4 * rows), rem = w % (k4 * rows);
+        u64 q = rem / rows, r = rem % rows;
+        dst[(g * rows + r) * k4 + q] = src[w];
+    }
+}
+
+// ---- gemm.rs: out[t, n] = sum_k a[t, k] * w[n, k] --------------------------------------------
+// `a` is the exact f32 dequantization of the MXFP8 activations [T, K]; w is E4M3 [N, K] with
+// scales in layout `mode`: 0 row-major [N, K/32]; 1 F8_128x4 swizzled; 2 DeepGEMM packed
+// UE8M0 of group `group` with `rows_per_group` rows. Each output accumulates its products in
+// f32 in increasing k, one product at a time, each rounded: exactly the CPU `gemm`.
+// Block: GEMM_THREADS outputs along N x GEMM_TT tokens.
+#define GEMM_TT 8
+extern "C" __global__ void mx_gemm(const float* a, u64 t_rows, const u8* w, const u8* scales, u64 n_rows, u64 k, int mode, u64 group,
+                                   u64 rows_per_group, float* out) {
+    __shared__ float as[GEMM_TT][32];
+    u64 n = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 t0 = (u64)blockIdx.y * GEMM_TT;
+    u64 c = k / 32;
+    float acc[GEMM_TT];
+    for (int j = 0; j < GEMM_TT; ++j) acc[j] = 0.0f;
+    for (u64 kb = 0; kb < c; ++kb) {
+        for (u32 i = threadIdx.x; i < GEMM_TT * 32; i += blockDim.x) {
+            u64 t = t0 + i / 32;
+            as[i / 32][i % 32] = t < t_rows ? a[t * k + kb * 32 + i % 32] : 0.0f;
+        }
+        __syncthreads();
+        if (n < n_rows) {
+            u8 sb;
+            if (mode == 0) sb = scales[n * c + kb];
+            else if (mode == 1) sb = scales[swizzle_offset(n, kb, c)];
+            else sb = scales[((group * (c / 4) + kb / 4) * rows_per_group + n) * 4 + kb % 4];
+            float s = e8m0_to_f32(sb);
+            const uint4* row = (const uint4*)(w + n * k + kb * 32);
+            uint4 lo = row[0], hi = row[1];
+            u32 words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+            for (int i = 0; i < 32; ++i) {
+                float wv = __fmul_rn(e4m3_to_f32((u8)(words[i / 4] >> (8 * (i % 4)))), s);
+                for (int j = 0; j < GEMM_TT; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(as[j][i], wv));
+            }
+        }
+        __syncthreads();
+    }
+    if (n < n_rows) {
+        for (int j = 0; j < GEMM_TT; ++j) {
+            u64 t = t0 + j;
+            if (t < t_rows) out[t * n_rows + n] = acc[j];
+        }
+    }
+}
