@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# GPU acceptance check (one GPU; about 5-8 minutes on an H200):
-#   0. checks kernels.cu compiled for the host against the CPU backend (no GPU needed);
-#   1. builds everything with the `cuda` feature;
-#   2. runs every GPU test (kernels and worker: each op against the CPU backend byte for byte,
+# GPU acceptance check (one GPU; about 5-8 minutes on an H200 when it builds, less from a bundle):
+#   0. finds the CUDA driver, NVRTC and NCCL libraries (pip wheels' versioned names included);
+#   1. checks kernels.cu compiled for the host against the CPU backend (no GPU needed);
+#   2. builds everything with the `cuda` feature, or, on a machine without a Rust toolchain,
+#      uses the prebuilt `.gpu-bundle/` that `scripts/gpu-bundle.sh` writes;
+#   3. runs every GPU test (kernels and worker: each op against the CPU backend byte for byte,
 #      whole-rank loads at TP 1/2/4/8, the device probe, NCCL with world size 1 and a missing
 #      peer) and fails if any of them skipped for lack of CUDA;
-#   3. the 8-layer dsv41-flash checkpoint at TP 1/2/4/8: GPU kernel digests equal the CPU's;
-#   4. `orchestrator-worker load --device cuda` against `--device cpu` (kernel, source and y
+#   4. the 8-layer dsv41-flash checkpoint at TP 1/2/4/8: GPU kernel digests equal the CPU's;
+#   5. `orchestrator-worker load --device cuda` against `--device cpu` (kernel, source and y
 #      digests equal);
-#   5. the GPU benchmarks; then a summary.
+#   6. `orchestrator launch --device cuda --tp 1 --verify golden`: a GPU worker's report checked
+#      against the coordinator's CPU recomputation;
+#   7. the GPU benchmarks; then a summary.
+# Output and logs: $GPU_CHECK_OUT (default: a temporary directory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FEATURES=orchestrator-worker/cuda,orchestrator-coordinator/cuda
-LOG=$(mktemp -d)
+LOG=${GPU_CHECK_OUT:-$(mktemp -d)}
+mkdir -p "$LOG"
+BUNDLE=${GPU_BUNDLE:-.gpu-bundle}
 declare -a SUMMARY=()
 step() { echo; echo "== $*"; }
 pass() { SUMMARY+=("[ ok ] $*"); }
@@ -23,39 +30,85 @@ START=$SECONDS
 step "GPU"
 nvidia-smi -L || echo "(nvidia-smi not available)"
 
+step "CUDA libraries"
+# cudarc loads libcuda.so(.1), libnvrtc.so(.12) and libnccl.so; CUDA 13 machines and pip
+# wheels ship libnvrtc.so.13 and libnccl.so.2. Link the newest found under the names it tries.
+LIBS=$LOG/cuda-libs
+mkdir -p "$LIBS"
+find_lib() {
+  # What the dynamic loader knows first (the driver must match the kernel module), else the
+  # newest copy under the usual places (pip wheels under /opt or site-packages).
+  local known
+  known=$(ldconfig -p 2>/dev/null | awk -v n="$1" '$1 ~ "^"n {print $NF}' | grep -v stub | head -1)
+  if [ -n "$known" ]; then echo "$known"; return; fi
+  find /usr/local/cuda*/lib64 /usr/local/nvidia /usr/lib/x86_64-linux-gnu /opt /usr/local/lib /usr/lib/python3*/ \
+    -name "$1*" 2>/dev/null | grep -v -e '\.a$' -e stub | sort -V | tail -1
+}
+for lib in libcuda.so libnvrtc.so libnccl.so; do
+  found=$(find_lib "$lib" || true)
+  if [ -n "$found" ]; then
+    ln -sf "$found" "$LIBS/$lib"
+    echo "$lib -> $found"
+    # NVRTC needs its builtins library beside it.
+    [ "$lib" = libnvrtc.so ] && for b in "$(dirname "$found")"/libnvrtc-builtins.so*; do [ -e "$b" ] && ln -sf "$b" "$LIBS/"; done
+  else
+    echo "$lib: not found"
+  fi
+done
+export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+if command -v cargo > /dev/null; then
+  step "build --release --features cuda"
+  cargo build --release --workspace --features "$FEATURES"
+  cargo build --release -p orchestrator-kernels --example kernel_vectors
+  pass "release build with --features cuda"
+  BIN=target/release
+  VECTORS=target/release/examples/kernel_vectors
+  test_exe() {
+    cargo test --release --features "orchestrator-$1/cuda" -p "orchestrator-$1" --test cuda -- "${@:2}"
+  }
+elif [ -x "$BUNDLE/orchestrator-worker" ]; then
+  step "prebuilt bundle $BUNDLE (no Rust toolchain here)"
+  ls -l "$BUNDLE"
+  pass "prebuilt bundle (scripts/gpu-bundle.sh)"
+  BIN=$BUNDLE
+  VECTORS=$BUNDLE/kernel_vectors
+  test_exe() { "$BUNDLE/$1-cuda-tests" "${@:2}"; }
+else
+  echo "no cargo and no $BUNDLE: run scripts/gpu-bundle.sh where Rust is installed and carry $BUNDLE here" >&2
+  exit 2
+fi
+
 step "kernels.cu compiled for the host, against the CPU backend"
-if scripts/check_kernels_on_host.sh > "$LOG/host.txt" 2>&1; then
-  pass "kernels.cu on the host reproduces the CPU bytes"
+if KERNEL_VECTORS=$VECTORS scripts/check_kernels_on_host.sh > "$LOG/host.txt" 2>&1; then
+  pass "$(tail -1 "$LOG/host.txt")"
 else
   fail "kernels.cu on the host (see $LOG/host.txt)"
 fi
 
-step "build --release --features cuda"
-cargo build --release --workspace --features "$FEATURES"
-pass "release build with --features cuda"
-
-step "GPU tests (release)"
-if cargo test --release --features orchestrator-worker/cuda -p orchestrator-kernels -p orchestrator-worker --test cuda -- --nocapture --test-threads 1 \
-    2>&1 | tee "$LOG/tests.txt"; then
-  if grep -q "skipped: no CUDA" "$LOG/tests.txt"; then
-    fail "GPU tests skipped: no usable CUDA on this machine"
-  else
-    pass "GPU tests: $(grep -o 'test result: ok. [0-9]* passed' "$LOG/tests.txt" | awk '{s += $4} END {print s}') passed"
-  fi
+step "GPU tests"
+: > "$LOG/tests.txt"
+tests_ok=1
+for pkg in kernels worker; do
+  test_exe "$pkg" --nocapture --test-threads 1 2>&1 | tee -a "$LOG/tests.txt" || tests_ok=0
+done
+if [ $tests_ok = 1 ] && ! grep -q "skipped: no CUDA" "$LOG/tests.txt"; then
+  pass "GPU tests: $(grep -o 'test result: ok. [0-9]* passed' "$LOG/tests.txt" | awk '{s += $4} END {print s}') passed"
+elif [ $tests_ok = 1 ]; then
+  fail "GPU tests skipped: no usable CUDA on this machine"
 else
   fail "GPU tests (see $LOG/tests.txt)"
 fi
 
 step "8-layer dsv41-flash checkpoint, TP 1/2/4/8: GPU kernel digests vs CPU"
-if cargo test --release --features orchestrator-worker/cuda -p orchestrator-worker --test cuda -- --ignored --nocapture \
-    2>&1 | tee "$LOG/ckpt.txt" && ! grep -q "skipped: no CUDA" "$LOG/ckpt.txt"; then
+if test_exe worker --ignored --nocapture 2>&1 | tee "$LOG/ckpt.txt" && ! grep -q "skipped: no CUDA" "$LOG/ckpt.txt"; then
   pass "8-layer dsv41-flash: $(grep -c 'on both' "$LOG/ckpt.txt") ranks with identical GPU/CPU kernel digests"
 else
   fail "8-layer dsv41-flash digests (see $LOG/ckpt.txt)"
 fi
 
+W=$BIN/orchestrator-worker
 step "orchestrator-worker load --device cuda vs --device cpu (dsv41-flash, 2 layers, TP 1, probe)"
-W=target/release/orchestrator-worker
 ARGS=(load --dummy --preset dsv41-flash --layers 2 --tp 1 --probe 16,128,7 --brief)
 digests() { grep -E "kernel digest|probe y_partial digest|^y |PASS|FAIL" | sed -E 's/\(kernel pass.*//'; }
 if "$W" "${ARGS[@]}" --device cpu > "$LOG/cpu.txt" && "$W" "${ARGS[@]}" --device cuda > "$LOG/cuda.txt"; then
@@ -66,6 +119,14 @@ if "$W" "${ARGS[@]}" --device cpu > "$LOG/cpu.txt" && "$W" "${ARGS[@]}" --device
   fi
 else
   fail "load --device cuda (see $LOG/cuda.txt)"
+fi
+
+step "orchestrator launch --device cuda --tp 1 --verify golden"
+if "$BIN/orchestrator" launch --device cuda --tp 1 --verify golden --json > "$LOG/launch.json" 2> "$LOG/launch.err" \
+    && grep -q '"ok": true' "$LOG/launch.json"; then
+  pass "launch --device cuda --tp 1: the GPU rank's report agrees with the CPU golden digests and the probe"
+else
+  fail "launch --device cuda --tp 1 (see $LOG/launch.json, $LOG/launch.err)"
 fi
 
 step "GPU benchmarks"
@@ -79,4 +140,8 @@ echo
 echo "== summary ($((SECONDS - START)) s; logs in $LOG)"
 printf '%s\n' "${SUMMARY[@]}"
 [ -f "$LOG/bench.txt" ] && sed -n '2,$p' "$LOG/bench.txt"
+# On the device tool's machines, $OUT comes back: one archive of every log.
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+  tar czf "$OUT/gpu-check-logs.tar.gz" -C "$LOG" . && echo "logs: \$OUT/gpu-check-logs.tar.gz"
+fi
 exit $STATUS
