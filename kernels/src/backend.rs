@@ -76,6 +76,33 @@ pub trait Backend {
         self.upload(host, &mut staged)?;
         self.gather_runs(&staged, row_bytes, run_bytes, perm, dst)
     }
+    /// Validates FP8 E4M3 host bytes `[rows, k]` (a NaN is [`KernelError::NonFinite`] at its
+    /// source position), digests them as stored, and uploads them in `order` (`Rows`: whole
+    /// rows; `Chunks`: 32-byte blocks of each row). Returns the source digest and, when it came
+    /// for free, the digest of the uploaded bytes. The default checks and digests in one pass,
+    /// then uploads; the host backend does it all in one or two passes
+    /// ([`crate::placement::place_e4m3`]).
+    fn upload_e4m3(
+        &self,
+        host: &[u8],
+        rows: usize,
+        k: usize,
+        order: BlockOrder<'_>,
+        dst: &mut Self::Buffer,
+    ) -> Result<(Digest, Option<Digest>), KernelError> {
+        let k_checked = k.max(1);
+        let source =
+            crate::e4m3::digest_nan_free(host).map_err(|at| KernelError::NonFinite { row: at / k_checked, col: at % k_checked })?;
+        match order {
+            BlockOrder::Identity => {
+                self.upload(host, dst)?;
+                // The uploaded bytes are the stored bytes.
+                Ok((source, Some(source)))
+            }
+            BlockOrder::Rows(p) => self.upload_gather_runs(host, rows * k, k, p, dst).map(|()| (source, None)),
+            BlockOrder::Chunks(p) => self.upload_gather_runs(host, k, permutation::O_CHUNK, p, dst).map(|()| (source, None)),
+        }
+    }
     /// Copies the buffer's bytes to host memory.
     fn download(&self, src: &Self::Buffer, dst: &mut Vec<u8>) -> Result<(), KernelError>;
     /// The buffer's bytes on the host: borrowed where they already live there (CPU), copied
@@ -229,6 +256,17 @@ impl Backend for CpuBackend {
         dst: &mut Vec<u8>,
     ) -> Result<(), KernelError> {
         permutation::gather_runs(host, row_bytes, run_bytes, perm, dst)
+    }
+    fn upload_e4m3(
+        &self,
+        host: &[u8],
+        rows: usize,
+        k: usize,
+        order: BlockOrder<'_>,
+        dst: &mut Vec<u8>,
+    ) -> Result<(Digest, Option<Digest>), KernelError> {
+        let placed = crate::placement::place_e4m3(host, rows, k, order, dst)?;
+        Ok((placed.source, Some(placed.placed)))
     }
     fn host_bytes<'a>(&self, buf: &'a Vec<u8>) -> Result<std::borrow::Cow<'a, [u8]>, KernelError> {
         Ok(std::borrow::Cow::Borrowed(buf))

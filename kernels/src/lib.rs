@@ -15,6 +15,7 @@ pub mod layout;
 pub mod mxfp8;
 pub mod params;
 pub mod permutation;
+pub mod placement;
 
 pub use backend::{Backend, BackendWeight, BufferPool, CpuBackend, ScaleKind};
 pub use digest::Digest;

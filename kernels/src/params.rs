@@ -111,6 +111,10 @@ pub struct SourceDigests {
     pub weight: Digest,
     /// FP8 only: the block scale.
     pub block_scale: Option<Digest>,
+    /// The digest of the weight bytes as the source stage placed them (fused order), when it
+    /// came for free on the way. The kernel hooks never change weight bytes, so this is the
+    /// kernel weight's digest when the matrix goes straight to its hook.
+    pub placed_weight: Option<Digest>,
 }
 
 /// The Q row permutation of one rank's `wq_b` shard.
@@ -383,19 +387,26 @@ fn load_source<B: Backend>(
                 let cols = (k / block[1].max(1)).max(1);
                 return Err(KernelError::NanScale { row: at / cols, col: at % cols });
             }
-            // One pass validates and digests the stored bytes.
-            let weight_digest = e4m3::digest_nan_free(w.as_slice()).map_err(|at| KernelError::NonFinite { row: at / k, col: at % k })?;
-            let digests = SourceDigests { weight: weight_digest, block_scale: Some(Digest::of(block_scale)) };
+            let block_scale_digest = Some(Digest::of(block_scale));
             let mut weight = pool.take(backend, rows * k);
             let mut scale = pool.take(backend, rows * c);
             let mut staged = pool.take(backend, block_scale.len());
             let mut per_row = pool.take(backend, rows * c);
             let r = (|| {
-                match order {
-                    BlockOrder::Identity => w.upload(backend, &mut weight)?,
-                    BlockOrder::Rows(p) => backend.upload_gather_runs(w.as_slice(), rows * k, k, p, &mut weight)?,
-                    BlockOrder::Chunks(p) => backend.upload_gather_runs(w.as_slice(), k, O_CHUNK, p, &mut weight)?,
-                }
+                // Validated (no NaN E4M3), digested as stored, and placed in `order`, in as few
+                // passes as the backend manages; a staged host copy in checkpoint order is moved,
+                // not copied.
+                let digests = match (order, w) {
+                    (BlockOrder::Identity, host @ HostBytes::Staged(_)) => {
+                        let d = e4m3::digest_nan_free(host.as_slice()).map_err(|at| KernelError::NonFinite { row: at / k, col: at % k })?;
+                        host.upload(backend, &mut weight)?;
+                        SourceDigests { weight: d, block_scale: block_scale_digest, placed_weight: Some(d) }
+                    }
+                    (order, w) => {
+                        let (d, placed) = backend.upload_e4m3(w.as_slice(), rows, k, order, &mut weight)?;
+                        SourceDigests { weight: d, block_scale: block_scale_digest, placed_weight: placed }
+                    }
+                };
                 backend.upload(block_scale, &mut staged)?;
                 match order {
                     BlockOrder::Identity => backend.expand_block_scales(&staged, rows, k, block, &mut scale),
@@ -408,11 +419,12 @@ fn load_source<B: Backend>(
                         backend.gather_runs(&per_row, c, 1, p, &mut scale)
                     }
                 }
+                .map(|()| digests)
             })();
             pool.give(staged);
             pool.give(per_row);
             match r {
-                Ok(()) => Ok((weight, scale, digests)),
+                Ok(digests) => Ok((weight, scale, digests)),
                 Err(e) => {
                     pool.give(weight);
                     pool.give(scale);
@@ -421,7 +433,7 @@ fn load_source<B: Backend>(
             }
         }
         WeightSource::Bf16 { weight: w } => {
-            let digests = SourceDigests { weight: Digest::of(w.as_slice()), block_scale: None };
+            let digests = SourceDigests { weight: Digest::of(w.as_slice()), block_scale: None, placed_weight: None };
             check_source_shape("BF16 weight", w.as_slice().len(), rows * k * 2)?;
             let mut weight = pool.take(backend, rows * k);
             let mut scale = pool.take(backend, rows * c);

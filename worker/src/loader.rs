@@ -169,7 +169,7 @@ impl<B: Backend> RankWeights<B> {
     pub fn refresh_kernel_digests(&mut self, backend: &B) -> Result<(), LoadError> {
         let heads = self.shard.n_local_heads;
         for l in &mut self.layers {
-            l.kernel = kernel_digests(backend, l.layer, [&l.wq_b, &l.wo_a, &l.wo_b], &l.attn_sink, heads)?;
+            l.kernel = kernel_digests(backend, l.layer, [&l.wq_b, &l.wo_a, &l.wo_b], [None; 3], &l.attn_sink, heads)?;
         }
         Ok(())
     }
@@ -363,11 +363,15 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         // BF16 quantized into place); wo_b is never permuted.
         let rule = self.rule;
         let backend = self.backend;
+        // The source stage digests the weights as it places them where that comes for free (the
+        // hooks below never change weight bytes): those digests stand for the kernel weights'.
+        let mut placed = [None; 3];
         let wq_b = {
-            let fused: Mx<B, WqB, Fused> =
+            let (fused, placed_wq_b): (Mx<B, WqB, Fused>, _) =
                 self.read_matrix(source, Param::WqB, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
                     Mx::<B, WqB, Fused>::from_source_permuted(backend, src, rows, k, rule, &self.q, pool)
                 })?;
+            placed[0] = placed_wq_b;
             let t = Instant::now();
             let k = fused
                 .into_kernel(backend, &mut scratch.pool)
@@ -376,10 +380,11 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             k
         };
         let wo_a = {
-            let fused: Mx<B, WoA, Fused> =
+            let (fused, placed_wo_a): (Mx<B, WoA, Fused>, _) =
                 self.read_matrix(source, Param::WoA, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
                     Mx::<B, WoA, Fused>::from_source_permuted(backend, src, rows, k, rule, &self.o, pool)
                 })?;
+            placed[1] = placed_wo_a;
             let t = Instant::now();
             let k = fused
                 .into_kernel(backend, self.shard.n_local_groups, &mut scratch.pool)
@@ -388,10 +393,11 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             k
         };
         let wo_b = {
-            let mx: Mx<B, WoB, CheckpointOrder> =
+            let (mx, placed_wo_b): (Mx<B, WoB, CheckpointOrder>, _) =
                 self.read_matrix(source, Param::WoB, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
                     Mx::from_source(backend, src, rows, k, rule, pool)
                 })?;
+            placed[2] = placed_wo_b;
             let t = Instant::now();
             let k = mx
                 .into_kernel(backend, &mut scratch.pool)
@@ -416,7 +422,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         };
 
         let t = Instant::now();
-        let kernel = kernel_digests(self.backend, layer, [&wq_b, &wo_a, &wo_b], &attn_sink, self.shard.n_local_heads)?;
+        let kernel = kernel_digests(self.backend, layer, [&wq_b, &wo_a, &wo_b], placed, &attn_sink, self.shard.n_local_heads)?;
         times.digest_s += t.elapsed().as_secs_f64();
 
         Ok(LayerWeights { layer, wq_b, wo_a, wo_b, attn_sink, source: source_digests, kernel, times, scratch })
@@ -436,7 +442,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         let mut host = |param: Param, scratch: &mut LayerScratch<B>| -> Result<(Vec<u8>, Vec<u8>), LoadError> {
             // Checkpoint order is only downloaded here, never permuted or hooked, so the
             // parameter marker does not matter.
-            let mx: Mx<B, WqB, CheckpointOrder> =
+            let (mx, _): (Mx<B, WqB, CheckpointOrder>, _) =
                 self.read_matrix(source, param, &find, scratch, &mut digests, &mut times, |src, rows, k, pool| {
                     Mx::from_source(backend, src, rows, k, rule, pool)
                 })?;
@@ -466,7 +472,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         digests: &mut Vec<TensorDigest>,
         times: &mut StageTimes,
         build: impl FnOnce(WeightSource<'_>, usize, usize, &mut BufferPool<B>) -> Result<(T, SourceDigests), KernelError>,
-    ) -> Result<T, LoadError> {
+    ) -> Result<(T, Option<Digest>), LoadError> {
         let t = Instant::now();
         let wspec = find(param, Part::Weight).expect("every layer has the weight");
         let (rows, cols) = self.slice_of(wspec);
@@ -514,7 +520,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             let bytes = shape.iter().product::<usize>();
             digests.push(TensorDigest { name: sspec.name.clone(), dtype: dtype_name(sspec.dtype), shape, bytes, digest: d });
         }
-        Ok(built)
+        Ok((built, sd.placed_weight))
     }
 }
 
@@ -535,19 +541,25 @@ pub fn rank_slice(g: &Geometry, format: WeightFormat, s: &RankShard, spec: &Tens
     }
 }
 
-/// Digests of one layer's kernel-visible tensors, in storage order.
+/// Digests of one layer's kernel-visible tensors, in storage order. `placed`: weight digests
+/// the source stage computed while writing these very buffers (used instead of reading them
+/// again); `None` reads the buffers.
 fn kernel_digests<B: Backend>(
     backend: &B,
     layer: usize,
     [wq_b, wo_a, wo_b]: [&KernelTensor<B>; 3],
+    placed: [Option<Digest>; 3],
     attn_sink: &B::Buffer,
     heads: usize,
 ) -> Result<Vec<TensorDigest>, LoadError> {
     let mut kernel = Vec::with_capacity(7);
-    for (param, kt) in [(Param::WqB, wq_b), (Param::WoA, wo_a), (Param::WoB, wo_b)] {
+    for ((param, kt), placed) in [(Param::WqB, wq_b), (Param::WoA, wo_a), (Param::WoB, wo_b)].into_iter().zip(placed) {
         let wname = kernel_name(layer, param, Part::Weight);
         let sname = kernel_name(layer, param, Part::Scale);
-        let wd = backend.digest(&kt.weight).map_err(|e| tensor_error(&wname, None, e))?;
+        let wd = match placed {
+            Some(d) => d,
+            None => backend.digest(&kt.weight).map_err(|e| tensor_error(&wname, None, e))?,
+        };
         let sd = backend.digest(&kt.scale).map_err(|e| tensor_error(&sname, None, e))?;
         let (sdtype, sshape) = kt.scale_layout.dtype_and_shape();
         kernel.push(TensorDigest {
