@@ -33,7 +33,9 @@ pub trait Backend {
         self.upload(host, dst)
     }
     /// MXFP8-quantizes host BF16 bytes into backend buffers, writing the blocks in `order`.
-    /// The default uploads, quantizes on the device, then gathers.
+    /// Returns the digests of the BF16 bytes as stored and of the E4M3 bytes as placed when they
+    /// came for free on the way (the host backend), else `None`. The default uploads, quantizes
+    /// on the device, then gathers.
     #[allow(clippy::too_many_arguments)]
     fn quantize_bf16_host(
         &self,
@@ -44,23 +46,24 @@ pub trait Backend {
         order: BlockOrder<'_>,
         elements: &mut Self::Buffer,
         scales: &mut Self::Buffer,
-    ) -> Result<(), KernelError> {
+    ) -> Result<Option<crate::placement::Placed>, KernelError> {
         let (mut staged, mut e, mut s) = (self.empty(), self.empty(), self.empty());
         self.upload(bf16, &mut staged)?;
         let c = k / mxfp8::BLOCK;
         match order {
-            BlockOrder::Identity => self.quantize_bf16_rows(&staged, rows, k, rule, elements, scales),
+            BlockOrder::Identity => self.quantize_bf16_rows(&staged, rows, k, rule, elements, scales)?,
             BlockOrder::Rows(p) => {
                 self.quantize_bf16_rows(&staged, rows, k, rule, &mut e, &mut s)?;
                 self.gather_runs(&e, rows * k, k, p, elements)?;
-                self.gather_runs(&s, rows * c, c, p, scales)
+                self.gather_runs(&s, rows * c, c, p, scales)?
             }
             BlockOrder::Chunks(p) => {
                 self.quantize_bf16_rows(&staged, rows, k, rule, &mut e, &mut s)?;
                 self.gather_runs(&e, k, mxfp8::BLOCK, p, elements)?;
-                self.gather_runs(&s, c, 1, p, scales)
+                self.gather_runs(&s, c, 1, p, scales)?
             }
         }
+        Ok(None)
     }
     /// Uploads host bytes while gathering runs (see [`permutation::gather_runs`]): the
     /// permutation applied on the way in. The default uploads, then gathers on the device.
@@ -244,8 +247,8 @@ impl Backend for CpuBackend {
         order: BlockOrder<'_>,
         elements: &mut Vec<u8>,
         scales: &mut Vec<u8>,
-    ) -> Result<(), KernelError> {
-        mxfp8::quantize_bf16_ordered(bf16, rows, k, rule, order, elements, scales)
+    ) -> Result<Option<crate::placement::Placed>, KernelError> {
+        mxfp8::quantize_bf16_placed(bf16, rows, k, rule, order, elements, scales).map(Some)
     }
     fn upload_gather_runs(
         &self,

@@ -13,8 +13,14 @@ pub const fn is_nan(byte: u8) -> bool {
 }
 
 /// Position of the first NaN byte (`0x7F` / `0xFF`), scanning eight bytes at a time: a byte's
-/// low seven bits are all ones exactly when adding 1 to them sets bit 7.
+/// low seven bits are all ones exactly when adding 1 to them sets bit 7. Compiled for AVX2 too
+/// and chosen at run time (see [`crate::simd`]).
 pub fn find_nan(bytes: &[u8]) -> Option<usize> {
+    crate::simd::dispatch!(find_nan_impl(bytes))
+}
+
+#[inline(always)]
+fn find_nan_impl(bytes: &[u8]) -> Option<usize> {
     const LOW7: u64 = 0x7F7F_7F7F_7F7F_7F7F;
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
@@ -125,6 +131,21 @@ pub fn from_f32_saturating(x: f32) -> u8 {
 
 #[cfg(test)]
 mod tests {
+    /// The baseline scan and the dispatched one (AVX2 where present) find the same first NaN.
+    #[test]
+    fn baseline_and_dispatched_nan_scans_agree() {
+        let mut bytes: Vec<u8> = (0..5000u32).map(|i| (i.wrapping_mul(2654435761) >> 11) as u8 & 0x7E).collect();
+        assert_eq!((find_nan(&bytes), find_nan_impl(&bytes)), (None, None));
+        for at in [0, 7, 63, 64, 1000, 4999] {
+            for nan in [0x7F, 0xFF] {
+                let keep = bytes[at];
+                bytes[at] = nan;
+                assert_eq!((find_nan(&bytes), find_nan_impl(&bytes)), (Some(at), Some(at)));
+                bytes[at] = keep;
+            }
+        }
+    }
+
     use super::*;
 
     #[test]

@@ -16,6 +16,7 @@ pub mod mxfp8;
 pub mod params;
 pub mod permutation;
 pub mod placement;
+pub mod simd;
 
 pub use backend::{Backend, BackendWeight, BufferPool, CpuBackend, ScaleKind};
 pub use digest::Digest;

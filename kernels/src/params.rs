@@ -433,12 +433,14 @@ fn load_source<B: Backend>(
             }
         }
         WeightSource::Bf16 { weight: w } => {
-            let digests = SourceDigests { weight: Digest::of(w.as_slice()), block_scale: None, placed_weight: None };
             check_source_shape("BF16 weight", w.as_slice().len(), rows * k * 2)?;
             let mut weight = pool.take(backend, rows * k);
             let mut scale = pool.take(backend, rows * c);
             match backend.quantize_bf16_host(w.as_slice(), rows, k, rule, order, &mut weight, &mut scale) {
-                Ok(()) => Ok((weight, scale, digests)),
+                Ok(Some(placed)) => {
+                    Ok((weight, scale, SourceDigests { weight: placed.source, block_scale: None, placed_weight: Some(placed.placed) }))
+                }
+                Ok(None) => Ok((weight, scale, SourceDigests { weight: Digest::of(w.as_slice()), block_scale: None, placed_weight: None })),
                 Err(e) => {
                     pool.give(weight);
                     pool.give(scale);

@@ -149,6 +149,43 @@ mod tests {
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        /// The BF16 path: the same elements and scales as `quantize_bf16_ordered`, the digest
+        /// of the stored BF16 bytes and of the placed E4M3 bytes, in every order.
+        #[test]
+        fn bf16_placement_equals_quantization_and_digests(heads in 1usize..4, chunks in 1usize..4, rows_per in 1usize..6, seed: u64) {
+            use crate::mxfp8::{ScaleRule, quantize_bf16_ordered, quantize_bf16_placed};
+            let q = Permutation::q_rows(heads, 16 * chunks).unwrap();
+            let o = Permutation::o_columns(O_CHUNK * chunks).unwrap().of_chunks(O_CHUNK).unwrap();
+            let cases: [(usize, usize, BlockOrder<'_>); 3] = [
+                (rows_per * 3, 96, BlockOrder::Identity),
+                (q.len(), 64, BlockOrder::Rows(&q)),
+                (rows_per, o.len() * O_CHUNK, BlockOrder::Chunks(&o)),
+            ];
+            for rule in [ScaleRule::Rceil, ScaleRule::Floor] {
+                for (rows, k, order) in cases {
+                    // Finite BF16: clear one exponent bit where all eight are set.
+                    let src: Vec<u8> = bytes(rows * k * 2, seed)
+                        .chunks_exact(2)
+                        .flat_map(|b| {
+                            let h = u16::from_le_bytes([b[0], b[1]]);
+                            (if h & 0x7F80 == 0x7F80 { h & !0x0080 } else { h }).to_le_bytes()
+                        })
+                        .collect();
+                    let (mut e, mut s) = (Vec::new(), Vec::new());
+                    quantize_bf16_ordered(&src, rows, k, rule, order, &mut e, &mut s).unwrap();
+                    let (mut pe, mut ps) = (vec![9u8; 3], Vec::new());
+                    let placed = quantize_bf16_placed(&src, rows, k, rule, order, &mut pe, &mut ps).unwrap();
+                    prop_assert_eq!(&pe, &e);
+                    prop_assert_eq!(&ps, &s);
+                    prop_assert_eq!(placed.source, Digest::of(&src));
+                    prop_assert_eq!(placed.placed, Digest::of(&e));
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_nan_is_reported_at_its_source_position_in_every_order() {
         let q = Permutation::q_rows(2, 32).unwrap();

@@ -196,7 +196,7 @@ impl Backend for AnyBackend {
         order: BlockOrder<'_>,
         elements: &mut AnyBuffer,
         scales: &mut AnyBuffer,
-    ) -> Result<(), KernelError> {
+    ) -> Result<Option<orchestrator_kernels::placement::Placed>, KernelError> {
         forward!(self, |b| b.quantize_bf16_host(bf16, rows, k, rule, order, host!(elements), host!(scales)), |g| g.quantize_bf16_host(
             bf16,
             rows,
@@ -222,6 +222,16 @@ impl Backend for AnyBackend {
             perm,
             device!(dst)
         ))
+    }
+    fn upload_e4m3(
+        &self,
+        host: &[u8],
+        rows: usize,
+        k: usize,
+        order: BlockOrder<'_>,
+        dst: &mut AnyBuffer,
+    ) -> Result<(Digest, Option<Digest>), KernelError> {
+        forward!(self, |b| b.upload_e4m3(host, rows, k, order, host!(dst)), |g| g.upload_e4m3(host, rows, k, order, device!(dst)))
     }
     fn download(&self, src: &AnyBuffer, dst: &mut Vec<u8>) -> Result<(), KernelError> {
         forward!(self, |b| b.download(host!(src), dst), |g| g.download(device!(src), dst))

@@ -426,12 +426,12 @@ impl Backend for CudaBackend {
         order: BlockOrder<'_>,
         elements: &mut DeviceBuffer,
         scales: &mut DeviceBuffer,
-    ) -> Result<(), KernelError> {
+    ) -> Result<Option<crate::placement::Placed>, KernelError> {
         check_bf16(bf16.len(), rows, k, order)?;
         let mut staged = self.empty();
         self.upload(bf16, &mut staged)?;
         let src = self.mem(&staged, "BF16 source")?;
-        self.quantize_on_device(src, rows, k, rule, order, elements, scales)
+        self.quantize_on_device(src, rows, k, rule, order, elements, scales).map(|()| None)
     }
     fn download(&self, src: &DeviceBuffer, dst: &mut Vec<u8>) -> Result<(), KernelError> {
         dst.clear();
