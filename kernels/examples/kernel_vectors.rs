@@ -14,18 +14,7 @@ use orchestrator_kernels::gemm::{MxMatrix, ScaleView, WeightView, gemm};
 use orchestrator_kernels::permutation::{BlockOrder, O_CHUNK, Permutation, gather_runs};
 use orchestrator_kernels::{ScaleRule, backend, layout, mxfp8};
 
-fn bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut z = seed;
-    (0..n)
-        .map(|_| {
-            z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut x = z;
-            x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            (x ^ (x >> 31)) as u8
-        })
-        .collect()
-}
+use orchestrator_kernels::testdata::splitmix_bytes as bytes;
 
 fn bf16_values(rows: usize, k: usize, seed: u64) -> Vec<u8> {
     let r = bytes(rows * k * 4, seed);

@@ -17,6 +17,8 @@ pub mod params;
 pub mod permutation;
 pub mod placement;
 pub mod simd;
+#[doc(hidden)]
+pub mod testdata;
 
 pub use backend::{Backend, BackendWeight, BufferPool, CpuBackend, ScaleKind};
 pub use digest::Digest;

@@ -111,16 +111,7 @@ mod tests {
 
     /// Bytes without NaN (0x7F / 0xFF) from a seed.
     fn bytes(n: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                let b = (x >> 32) as u8;
-                if b & 0x7F == 0x7F { b ^ 1 } else { b }
-            })
-            .collect()
+        crate::testdata::splitmix_bytes(n, seed).into_iter().map(|b| if b & 0x7F == 0x7F { b ^ 1 } else { b }).collect()
     }
 
     proptest! {

@@ -19,19 +19,7 @@ fn gpu() -> Option<CudaBackend> {
     Some(CudaBackend::new(0).expect("CUDA backend on device 0"))
 }
 
-/// A deterministic byte stream (splitmix64).
-fn bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut z = seed;
-    (0..n)
-        .map(|_| {
-            z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut x = z;
-            x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            (x ^ (x >> 31)) as u8
-        })
-        .collect()
-}
+use orchestrator_kernels::testdata::splitmix_bytes as bytes;
 
 /// Random BF16 values over every binade (zeros, subnormals, values that saturate under floor),
 /// with a random exponent window per 32-block so that scales vary widely.

@@ -70,6 +70,15 @@ impl Served {
         Self::announced(&full)
     }
 
+    /// `launch --serve --probe 2,16 --tp TP --dp DP --checkpoint DIR --allow-root ROOT EXTRA..`:
+    /// the served cluster the update and recovery tests start from.
+    pub fn on_checkpoint(tp: &str, dp: &str, checkpoint: &std::path::Path, root: &std::path::Path, extra: &[&str]) -> Self {
+        let (checkpoint, root) = (checkpoint.to_str().unwrap(), root.to_str().unwrap());
+        let mut args = vec!["--probe", "2,16", "--tp", tp, "--dp", dp, "--checkpoint", checkpoint, "--allow-root", root];
+        args.extend_from_slice(extra);
+        Self::start(&args)
+    }
+
     /// `orchestrator recover --state-dir DIR ARGS`, once it serves.
     pub fn recover(state_dir: &std::path::Path, args: &[&str]) -> Self {
         let mut full = vec!["recover", "--state-dir", state_dir.to_str().unwrap()];

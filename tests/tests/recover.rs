@@ -15,23 +15,8 @@ fn kill_coordinator_mid_update(tmp: &Path) -> (Served, String, Value, Vec<Value>
     let (a, b, state) = (tmp.join("A"), tmp.join("B"), tmp.join("state"));
     synth_tiny(&a, "1");
     synth_tiny(&b, "2");
-    let mut cluster = Served::start(&[
-        "--probe",
-        "2,16",
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--checkpoint",
-        a.to_str().unwrap(),
-        "--allow-root",
-        tmp.to_str().unwrap(),
-        "--state-dir",
-        state.to_str().unwrap(),
-        // dp1/tp1 stages slowly: the kill lands while dp1 is staging.
-        "--inject-fault",
-        "3:slow-stage",
-    ]);
+    // dp1/tp1 stages slowly: the kill lands while dp1 is staging.
+    let mut cluster = Served::on_checkpoint("2", "2", &a, tmp, &["--state-dir", state.to_str().unwrap(), "--inject-fault", "3:slow-stage"]);
     let before = cluster.report();
     let update = cluster.update_in_background(&["--checkpoint", b.to_str().unwrap()]);
     let events = wait_for_journal(&state, Duration::from_secs(60), |e| has_step(e, 0, "committed") && has_step(e, 1, "staging"));

@@ -12,8 +12,7 @@ fn rolling_update_with_probes(tp: &str, dp: &str, max_unavailable: &str) {
     let (a, b) = (tmp.path().join("A"), tmp.path().join("B"));
     synth(&a, "1");
     synth(&b, "2");
-    let root = tmp.path().to_str().unwrap();
-    let cluster = Served::start(&["--probe", "2,16", "--tp", tp, "--dp", dp, "--checkpoint", a.to_str().unwrap(), "--allow-root", root]);
+    let cluster = Served::on_checkpoint(tp, dp, &a, tmp.path(), &[]);
     let before = cluster.report();
     let load = cluster.probe_load("20", "4");
     std::thread::sleep(Duration::from_millis(300));
@@ -62,18 +61,7 @@ fn bad_updates_are_refused_and_change_nothing() {
     let root = tmp.path().join("root");
     let a = root.join("A");
     synth(&a, "1");
-    let cluster = Served::start(&[
-        "--probe",
-        "2,16",
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--checkpoint",
-        a.to_str().unwrap(),
-        "--allow-root",
-        root.to_str().unwrap(),
-    ]);
+    let cluster = Served::on_checkpoint("2", "2", &a, &root, &[]);
     let before = cluster.report();
 
     let damaged = |name: &str, damage: &dyn Fn(&Path)| {
@@ -131,24 +119,9 @@ fn a_worker_killed_mid_stage_leaves_its_group_on_the_old_version() {
     let (a, b, state) = (tmp.path().join("A"), tmp.path().join("B"), tmp.path().join("state"));
     synth(&a, "1");
     synth(&b, "2");
-    let root = tmp.path().to_str().unwrap();
     // Worker 3 (dp1/tp1) stages slowly (a second per layer), so the kill lands mid-stage.
-    let cluster = Served::start(&[
-        "--probe",
-        "2,16",
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--checkpoint",
-        a.to_str().unwrap(),
-        "--allow-root",
-        root,
-        "--state-dir",
-        state.to_str().unwrap(),
-        "--inject-fault",
-        "3:slow-stage",
-    ]);
+    let cluster =
+        Served::on_checkpoint("2", "2", &a, tmp.path(), &["--state-dir", state.to_str().unwrap(), "--inject-fault", "3:slow-stage"]);
     let before = cluster.report();
     let version_a = versions(&before)[0].clone();
     let load = cluster.probe_load("10", "6");
