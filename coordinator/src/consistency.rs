@@ -18,6 +18,9 @@ pub struct RankRow {
     pub pid: u32,
     pub load_format: String,
     pub checkpoint_version: String,
+    /// The version staged beside the active one (a rolling update in flight), if any.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub staged_version: String,
     pub layout_identity: String,
     pub geometry_digest: String,
     pub kernel_rank_digest: String,
@@ -74,6 +77,7 @@ pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: String) -> RankRow {
         pid: 0,
         load_format: String::new(),
         checkpoint_version: String::new(),
+        staged_version: String::new(),
         layout_identity: String::new(),
         geometry_digest: String::new(),
         kernel_rank_digest: String::new(),
@@ -99,6 +103,7 @@ pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> 
         pid: r.pid,
         load_format: r.load_format.clone(),
         checkpoint_version: r.checkpoint_version.clone(),
+        staged_version: r.staged_version.clone(),
         layout_identity: id.digest,
         geometry_digest: id.geometry_digest,
         kernel_rank_digest: r.kernel_rank_digest.clone(),
@@ -291,7 +296,7 @@ impl ConsistencyReport {
             };
             let _ = writeln!(
                 s,
-                "{:<3} {:<3} {:<12} {:<6} {:<11} {:<16} {:<16} {:<10} {:<22} {:>7.2}  {}{}",
+                "{:<3} {:<3} {:<12} {:<6} {:<11} {:<16} {:<16} {:<10} {:<22} {:>7.2}  {}{}{}",
                 r.dp,
                 r.tp,
                 truncate(&r.host, 12),
@@ -309,6 +314,7 @@ impl ConsistencyReport {
                 probe,
                 r.load_seconds,
                 r.verdict,
+                if r.staged_version.is_empty() { String::new() } else { format!(" (staged {})", r.staged_version) },
                 r.failure.as_ref().map(|f| format!(" ({f})")).unwrap_or_default()
             );
         }
@@ -333,4 +339,36 @@ impl ConsistencyReport {
 
 fn truncate(s: &str, n: usize) -> String {
     s.chars().take(n).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rank(dp: u32, version: &str, staged: &str) -> RankRow {
+        let r = pb::RankReport {
+            dp_rank: dp,
+            tp_size: 1,
+            dp_size: 2,
+            checkpoint_version: version.into(),
+            staged_version: staged.into(),
+            round_trip_ok: true,
+            kernel_rank_digest: "00000000000000aa".into(),
+            ..Default::default()
+        };
+        row(dp, &r, None)
+    }
+
+    /// A rank with a staged version says so on its row and in the JSON; one without does not.
+    #[test]
+    fn staged_versions_are_shown() {
+        let report = evaluate(1, 2, "test".into(), vec![rank(0, "va", ""), rank(1, "va", "vb")], None, BTreeMap::new());
+        let text = report.render();
+        let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("0 ") || l.starts_with("1 ")).collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(!lines[0].contains("staged") && lines[1].ends_with("(staged vb)"), "{text}");
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["ranks"][1]["staged_version"], "vb");
+        assert!(json["ranks"][0].get("staged_version").is_none());
+    }
 }
