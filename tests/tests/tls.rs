@@ -59,6 +59,28 @@ fn a_cluster_over_tls_serves_only_clients_that_trust_its_ca() {
     assert!(stderr(&o).contains("--tls-dir"), "{}", stderr(&o));
 }
 
+/// A rolling update and a probe load over TLS: every command and every worker call is https.
+#[test]
+fn rolling_updates_and_probes_work_over_tls() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (tls, a, b) = (tmp.path().join("tls"), tmp.path().join("A"), tmp.path().join("B"));
+    generate(&tls);
+    orchestrator_e2e::synth_tiny(&a, "1");
+    orchestrator_e2e::synth_tiny(&b, "2");
+    let cluster = Served::on_checkpoint("1", "2", &a, tmp.path(), &["--tls-dir", tls.to_str().unwrap()]);
+    assert!(cluster.coordinator.starts_with("https://"));
+    let load = cluster.probe_load("10", "2");
+    let o = cluster.cmd("update", &["--checkpoint", b.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+    let update: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let new_version = update["update"]["new_version"].as_str().unwrap();
+    assert!(orchestrator_e2e::versions(&cluster.report()).iter().all(|v| v == new_version));
+    let probes = load.wait_with_output().unwrap();
+    let probes: Value = serde_json::from_slice(&probes.stdout).unwrap();
+    assert_eq!(probes["failed"], 0, "{probes}");
+    assert!(probes["served"].as_u64().unwrap() >= 15, "{probes}");
+}
+
 /// A coordinator restarted from its state directory serves over TLS again, and its workers
 /// (which re-register over TLS) answer it.
 #[test]
