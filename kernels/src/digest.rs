@@ -2,7 +2,9 @@
 //! hex digits; a rank digest is XXH3-64 of the lines `"{name} {hex}\n"` sorted by name.
 
 use std::fmt;
-use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+use std::hash::Hasher as _;
+
+use twox_hash::XxHash3_64;
 
 /// An XXH3-64 digest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -11,26 +13,26 @@ pub struct Digest(pub u64);
 impl Digest {
     /// Digest of bytes in storage order.
     pub fn of(bytes: &[u8]) -> Self {
-        Digest(xxh3_64(bytes))
+        Digest(XxHash3_64::oneshot(bytes))
     }
 
     /// Digest of several byte runs, as if they were concatenated.
     pub fn of_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> Self {
-        let mut h = Xxh3::new();
+        let mut h = DigestStream::new();
         for p in parts {
             h.update(p);
         }
-        Digest(h.digest())
+        h.finish()
     }
 
     /// Digest of little-endian f32 values (probe outputs).
     pub fn of_f32(values: &[f32]) -> Self {
-        let mut h = Xxh3::new();
+        let mut h = DigestStream::new();
         for chunk in values.chunks(1024) {
             let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
             h.update(&bytes);
         }
-        Digest(h.digest())
+        h.finish()
     }
 
     pub fn hex(self) -> String {
@@ -40,6 +42,28 @@ impl Digest {
     /// Parses 16 hex digits.
     pub fn from_hex(s: &str) -> Option<Self> {
         (s.len() == 16).then(|| u64::from_str_radix(s, 16).ok().map(Digest)).flatten()
+    }
+}
+
+/// A [`Digest`] computed piece by piece: the same value as [`Digest::of`] of the pieces
+/// concatenated.
+pub struct DigestStream(XxHash3_64);
+
+impl DigestStream {
+    pub fn new() -> Self {
+        Self(XxHash3_64::with_seed(0))
+    }
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.write(bytes);
+    }
+    pub fn finish(&self) -> Digest {
+        Digest(self.0.finish())
+    }
+}
+
+impl Default for DigestStream {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

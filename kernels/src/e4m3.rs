@@ -44,14 +44,14 @@ fn find_nan_impl(bytes: &[u8]) -> Option<usize> {
 /// the bytes are read from memory once): the digest, or the position of the first NaN byte.
 pub fn digest_nan_free(bytes: &[u8]) -> Result<crate::Digest, usize> {
     const CHUNK: usize = 256 * 1024;
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut hasher = crate::digest::DigestStream::new();
     for (i, chunk) in bytes.chunks(CHUNK).enumerate() {
         if let Some(at) = find_nan(chunk) {
             return Err(i * CHUNK + at);
         }
         hasher.update(chunk);
     }
-    Ok(crate::Digest(hasher.digest()))
+    Ok(hasher.finish())
 }
 
 /// Decodes one E4M3fn byte exactly (NaN bytes decode to NaN).

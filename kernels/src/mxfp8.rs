@@ -150,17 +150,17 @@ pub fn quantize_bf16_placed(
     elements: &mut Vec<u8>,
     scales: &mut Vec<u8>,
 ) -> Result<crate::placement::Placed, KernelError> {
-    use xxhash_rust::xxh3::Xxh3;
+    use crate::digest::DigestStream;
     let rows_move = matches!(order, BlockOrder::Rows(_));
-    let (mut source, mut placed) = (Xxh3::new(), Xxh3::new());
+    let (mut source, mut placed) = (DigestStream::new(), DigestStream::new());
     quantize_rows_with(bf16, rows, k, rule, order, elements, scales, |src_row, dst_row| {
         if !rows_move {
             source.update(src_row);
         }
         placed.update(dst_row);
     })?;
-    let source = if rows_move { crate::Digest::of(bf16) } else { crate::Digest(source.digest()) };
-    Ok(crate::placement::Placed { source, placed: crate::Digest(placed.digest()) })
+    let source = if rows_move { crate::Digest::of(bf16) } else { source.finish() };
+    Ok(crate::placement::Placed { source, placed: placed.finish() })
 }
 
 /// The quantization loop, destination row by row; `after_row(source row bytes, destination

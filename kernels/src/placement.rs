@@ -11,9 +11,7 @@
 //!
 //! The digests are the XXH3-64 of the bytes in storage order, exactly [`Digest::of`].
 
-use xxhash_rust::xxh3::Xxh3;
-
-use crate::digest::Digest;
+use crate::digest::{Digest, DigestStream};
 use crate::e4m3::{digest_nan_free, find_nan};
 use crate::permutation::{BlockOrder, O_CHUNK};
 use crate::{KernelError, permutation};
@@ -45,7 +43,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
         BlockOrder::Identity => {
             // Every byte is overwritten below: resizing a reused buffer of this size is free.
             dst.resize(src.len(), 0);
-            let mut h = Xxh3::new();
+            let mut h = DigestStream::new();
             for (i, (s, d)) in src.chunks(STEP).zip(dst.chunks_mut(STEP)).enumerate() {
                 if let Some(at) = find_nan(s) {
                     return Err(nan_at(i * STEP + at, k));
@@ -53,7 +51,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
                 h.update(s);
                 d.copy_from_slice(s);
             }
-            let d = Digest(h.digest());
+            let d = h.finish();
             Ok(Placed { source: d, placed: d })
         }
         BlockOrder::Chunks(perm) => {
@@ -64,7 +62,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
                 )));
             }
             dst.resize(src.len(), 0);
-            let (mut hs, mut hd) = (Xxh3::new(), Xxh3::new());
+            let (mut hs, mut hd) = (DigestStream::new(), DigestStream::new());
             for (r, (s, d)) in src.chunks_exact(k).zip(dst.chunks_exact_mut(k)).enumerate() {
                 if let Some(at) = find_nan(s) {
                     return Err(nan_at(r * k + at, k));
@@ -76,7 +74,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
                 }
                 hd.update(d);
             }
-            Ok(Placed { source: Digest(hs.digest()), placed: Digest(hd.digest()) })
+            Ok(Placed { source: hs.finish(), placed: hd.finish() })
         }
         BlockOrder::Rows(perm) => {
             if perm.len() != rows {
@@ -84,11 +82,11 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
             }
             let source = digest_nan_free(src).map_err(|at| nan_at(at, k))?;
             permutation::gather_runs(src, rows * k, k, perm, dst)?;
-            let mut h = Xxh3::new();
+            let mut h = DigestStream::new();
             for d in dst.chunks(STEP) {
                 h.update(d);
             }
-            Ok(Placed { source, placed: Digest(h.digest()) })
+            Ok(Placed { source, placed: h.finish() })
         }
     }
 }

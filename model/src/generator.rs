@@ -9,7 +9,6 @@
 //! uniforms); F32 `attn_sink` values are ~N(0, 1).
 
 use safetensors::Dtype;
-use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use std::sync::OnceLock;
 
@@ -72,7 +71,7 @@ impl Generator {
 
     /// The stream key of one tensor.
     pub fn key(&self, tensor_name: &str) -> u64 {
-        xxh3_64_with_seed(tensor_name.as_bytes(), self.seed)
+        twox_hash::XxHash3_64::oneshot_with_seed(self.seed, tensor_name.as_bytes())
     }
 
     /// Writes elements `start .. start + n` of `spec` (row-major element indices) as stored
