@@ -135,6 +135,10 @@ pub struct ConsistencyReport {
     pub source: String,
     pub ranks: Vec<RankRow>,
     pub rules: Vec<Rule>,
+    /// What the reader should know that is not a failure (replicas on different versions while
+    /// an update is in flight).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
     pub timings: BTreeMap<String, f64>,
 }
 
@@ -152,7 +156,10 @@ fn rule(name: &str, findings: Vec<String>) -> Rule {
 }
 
 /// Applies the cross-rank rules and sets every row's verdict. `golden` holds, per tp rank, the
-/// tensor digests the coordinator recomputed from the checkpoint (`--verify golden`).
+/// tensor digests the coordinator recomputed from the checkpoint (`--verify golden`). With
+/// `update_in_flight`, replicas may hold different versions (a rolling update is between
+/// them): replicas are compared with those on the same version, and the versions are a note.
+/// A mix of versions inside a TP group is a failure either way.
 pub fn evaluate(
     tp_size: u32,
     dp_size: u32,
@@ -160,6 +167,7 @@ pub fn evaluate(
     mut ranks: Vec<RankRow>,
     golden: Option<&BTreeMap<u32, BTreeMap<String, String>>>,
     timings: BTreeMap<String, f64>,
+    update_in_flight: bool,
 ) -> ConsistencyReport {
     ranks.sort_by_key(|r| (r.dp, r.tp));
     let live: Vec<&RankRow> = ranks.iter().filter(|r| r.failure.is_none()).collect();
@@ -168,12 +176,15 @@ pub fn evaluate(
     rules
         .push(rule("every rank answered", ranks.iter().filter_map(|r| r.failure.as_ref().map(|f| format!("{}: {f}", label(r)))).collect()));
 
-    // Replicas with the same tp_rank hold identical kernel digests.
+    // Replicas with the same tp_rank (on the same version) hold identical kernel digests.
     let mut f = Vec::new();
     for tp in 0..tp_size {
         let replicas: Vec<&&RankRow> = live.iter().filter(|r| r.tp == tp).collect();
-        if let Some(first) = replicas.first() {
-            for other in &replicas[1..] {
+        for (i, first) in replicas.iter().enumerate() {
+            if replicas[..i].iter().any(|r| r.checkpoint_version == first.checkpoint_version) {
+                continue;
+            }
+            for other in replicas[i + 1..].iter().filter(|r| r.checkpoint_version == first.checkpoint_version) {
                 if other.kernel_rank_digest != first.kernel_rank_digest {
                     let tensors = differing_tensors(first, other);
                     f.push(format!("{} and {} differ in {}", label(first), label(other), tensors.join(", ")));
@@ -183,21 +194,41 @@ pub fn evaluate(
     }
     rules.push(rule("replicas with the same tp_rank hold identical kernel digests", f));
 
-    // All layout identities agree on geometry and version; all ranks load the same checkpoint.
+    // All layout identities agree on geometry and version; all ranks load the same checkpoint
+    // (replicas may differ while an update is in flight; the ranks of a group never may).
     let mut f = Vec::new();
+    let mut notes = Vec::new();
     if let Some(first) = live.first() {
         for other in &live[1..] {
             if other.geometry_digest != first.geometry_digest {
                 f.push(format!("{} and {} have different layout identities (geometry/format/rule/version)", label(first), label(other)));
             }
-            if other.checkpoint_version != first.checkpoint_version {
+        }
+    }
+    let mut replica_versions: BTreeMap<u32, &str> = BTreeMap::new();
+    for dp in 0..dp_size {
+        let members: Vec<&&RankRow> = live.iter().filter(|r| r.dp == dp).collect();
+        if let Some(first) = members.first() {
+            replica_versions.insert(dp, &first.checkpoint_version);
+            for other in members.iter().filter(|r| r.checkpoint_version != first.checkpoint_version) {
                 f.push(format!(
-                    "{} loaded checkpoint version {} but {} loaded {}",
+                    "{} holds checkpoint version {} but {} of its TP group holds {}",
                     label(other),
                     other.checkpoint_version,
                     label(first),
                     first.checkpoint_version
                 ));
+            }
+        }
+    }
+    if let Some((&dp0, &v0)) = replica_versions.iter().next() {
+        for (dp, v) in replica_versions.iter().skip(1).filter(|(_, v)| **v != v0) {
+            if update_in_flight {
+                notes.push(format!("an update is in flight: replica dp{dp} holds version {v}, replica dp{dp0} holds {v0}"));
+            } else {
+                for r in live.iter().filter(|r| r.dp == *dp) {
+                    f.push(format!("{} holds checkpoint version {} but replica dp{dp0} holds {v0}", label(r), r.checkpoint_version));
+                }
             }
         }
     }
@@ -244,9 +275,14 @@ pub fn evaluate(
             }
         }
         rules.push(rule("every rank of a TP group has the same y", f));
+        // Replicas on the same version compute the same y (different weights give different y).
         let mut f = Vec::new();
-        if let Some((dp0, y0)) = group_y.iter().next() {
-            for (dp, y) in group_y.iter().skip(1) {
+        for (i, (dp0, y0)) in group_y.iter().enumerate() {
+            let v0 = replica_versions.get(dp0);
+            if group_y.iter().take(i).any(|(dp, _)| replica_versions.get(dp) == v0) {
+                continue;
+            }
+            for (dp, y) in group_y.iter().skip(i + 1).filter(|(dp, _)| replica_versions.get(dp) == v0) {
                 if y != y0 {
                     f.push(format!("replica dp{dp} has y {y} but replica dp{dp0} has y {y0}"));
                 }
@@ -277,7 +313,7 @@ pub fn evaluate(
         r.verdict = if bad { "FAIL".into() } else { "ok".into() };
     }
     let ok = rules.iter().all(|r| r.ok) && ranks.iter().all(|r| r.verdict == "ok");
-    ConsistencyReport { ok, tp_size, dp_size, source, ranks, rules, timings }
+    ConsistencyReport { ok, tp_size, dp_size, source, ranks, rules, notes, timings }
 }
 
 impl ConsistencyReport {
@@ -324,6 +360,9 @@ impl ConsistencyReport {
                 let _ = writeln!(s, "       {f}");
             }
         }
+        for note in &self.notes {
+            let _ = writeln!(s, "note: {note}");
+        }
         if !self.timings.is_empty() {
             let parts: Vec<String> = self.timings.iter().map(|(k, v)| format!("{k} {v:.2} s")).collect();
             let _ = writeln!(s, "timings: {}", parts.join(", "));
@@ -359,10 +398,70 @@ mod tests {
         row(dp, &r, None)
     }
 
+    fn ranked(dp: u32, tp: u32, version: &str) -> RankRow {
+        let r = pb::RankReport {
+            dp_rank: dp,
+            tp_rank: tp,
+            tp_size: 2,
+            dp_size: 2,
+            checkpoint_version: version.into(),
+            round_trip_ok: true,
+            // Digest and y follow the version: equal within a version, different across.
+            kernel_rank_digest: format!("{version}-tp{tp}"),
+            ..Default::default()
+        };
+        let probe = pb::ProbeResult { ok: true, y_digest: format!("y-{version}"), ..Default::default() };
+        row(dp * 2 + tp, &r, Some(&probe))
+    }
+
+    fn failed_rules(r: &ConsistencyReport) -> Vec<&str> {
+        r.rules.iter().filter(|r| !r.ok).map(|r| r.rule.as_str()).collect()
+    }
+
+    /// Replicas on two versions: a failure naming every rank of the odd replica, unless an
+    /// update is in flight (then a note, and replicas are compared only with their own version).
+    #[test]
+    fn replicas_on_two_versions_fail_unless_an_update_is_in_flight() {
+        let rows = || vec![ranked(0, 0, "vb"), ranked(0, 1, "vb"), ranked(1, 0, "va"), ranked(1, 1, "va")];
+        let settled = evaluate(2, 2, "t".into(), rows(), None, BTreeMap::new(), false);
+        assert!(!settled.ok);
+        assert_eq!(failed_rules(&settled), ["all layout identities agree on geometry and version"]);
+        let verdicts: Vec<&str> = settled.ranks.iter().map(|r| r.verdict.as_str()).collect();
+        assert_eq!(verdicts, ["ok", "ok", "FAIL", "FAIL"]);
+        assert!(settled.notes.is_empty());
+
+        let in_flight = evaluate(2, 2, "t".into(), rows(), None, BTreeMap::new(), true);
+        assert!(in_flight.ok, "{}", in_flight.render());
+        assert_eq!(in_flight.notes, ["an update is in flight: replica dp1 holds version va, replica dp0 holds vb"]);
+        assert!(in_flight.render().contains("note: an update is in flight"));
+    }
+
+    /// A mix of versions inside one TP group fails even while an update is in flight, and so do
+    /// different digests or y between replicas on the same version.
+    #[test]
+    fn a_mixed_group_or_a_diverging_replica_fails_even_in_flight() {
+        let mixed = vec![ranked(0, 0, "va"), ranked(0, 1, "vb"), ranked(1, 0, "va"), ranked(1, 1, "va")];
+        let r = evaluate(2, 2, "t".into(), mixed, None, BTreeMap::new(), true);
+        assert!(failed_rules(&r).contains(&"all layout identities agree on geometry and version"), "{}", r.render());
+        assert!(r.rules.iter().any(|rule| rule.findings.iter().any(|f| f.contains("rank dp0/tp1 holds checkpoint version vb"))));
+
+        let mut diverging = vec![ranked(0, 0, "va"), ranked(0, 1, "va"), ranked(1, 0, "va"), ranked(1, 1, "va")];
+        diverging[3].kernel_rank_digest = "other".into();
+        for r in &mut diverging[2..] {
+            if let Some(p) = r.probe.as_mut() {
+                p.y_digest = "y-other".into();
+            }
+        }
+        let r = evaluate(2, 2, "t".into(), diverging, None, BTreeMap::new(), true);
+        let failed = failed_rules(&r);
+        assert!(failed.contains(&"replicas with the same tp_rank hold identical kernel digests"), "{failed:?}");
+        assert!(failed.contains(&"every DP replica has the same y"), "{failed:?}");
+    }
+
     /// A rank with a staged version says so on its row and in the JSON; one without does not.
     #[test]
     fn staged_versions_are_shown() {
-        let report = evaluate(1, 2, "test".into(), vec![rank(0, "va", ""), rank(1, "va", "vb")], None, BTreeMap::new());
+        let report = evaluate(1, 2, "test".into(), vec![rank(0, "va", ""), rank(1, "va", "vb")], None, BTreeMap::new(), false);
         let text = report.render();
         let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("0 ") || l.starts_with("1 ")).collect();
         assert_eq!(lines.len(), 2, "{text}");

@@ -108,6 +108,8 @@ pub struct Session {
     /// The source every replica serves (outside updates), and the last update's number.
     pub current_source: SourceRecord,
     pub last_update: u64,
+    /// Set while a rolling update runs (replicas may then hold different versions).
+    pub updating: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Session {
@@ -167,7 +169,15 @@ impl Session {
             }
         }
         self.timings.insert("report".into(), t.elapsed().as_secs_f64());
-        evaluate(self.cluster.tp, self.cluster.dp, self.source_desc.clone(), rows, self.golden.as_ref(), self.timings.clone())
+        evaluate(
+            self.cluster.tp,
+            self.cluster.dp,
+            self.source_desc.clone(),
+            rows,
+            self.golden.as_ref(),
+            self.timings.clone(),
+            self.updating.load(std::sync::atomic::Ordering::SeqCst),
+        )
     }
 }
 
@@ -187,7 +197,7 @@ async fn failure_report(plan: &LaunchPlan, cluster: &Cluster, failures: Failures
         .iter()
         .map(|w| failed_row(w.id, w.dp, w.tp, f.get(&w.id).cloned().unwrap_or_else(|| "stopped after another rank failed".into())))
         .collect();
-    evaluate(plan.tp, plan.dp, plan.source_desc.clone(), rows, None, timings)
+    evaluate(plan.tp, plan.dp, plan.source_desc.clone(), rows, None, timings, false)
 }
 
 /// Removes a generated token file when dropped.
@@ -310,6 +320,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         journal: plan.journal.clone(),
         current_source,
         last_update: 0,
+        updating: Default::default(),
     };
     let report = session.check(true).await;
     session.timings.insert("total".into(), start.elapsed().as_secs_f64());

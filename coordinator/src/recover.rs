@@ -232,6 +232,7 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
         journal: Some(journal),
         current_source,
         last_update,
+        updating: Default::default(),
     };
     let mut report = session.check(true).await;
     report.timings.insert("recover".into(), start.elapsed().as_secs_f64());

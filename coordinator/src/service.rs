@@ -12,6 +12,22 @@ use tonic::{Request, Response, Status};
 use crate::cluster::{Registration, Registry};
 use crate::launch::Session;
 
+/// Marks an update in flight until dropped (also when the update's future is cancelled).
+struct InFlight<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl<'a> InFlight<'a> {
+    fn set(flag: &'a std::sync::atomic::AtomicBool) -> Self {
+        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        Self(flag)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 pub struct CoordinatorService {
     pub registry: Arc<Registry>,
     /// The running session, once the cluster is up (`report` needs it).
@@ -67,7 +83,7 @@ impl Coordinator for CoordinatorService {
             return Err(Status::invalid_argument("update: checkpoint_dir is empty"));
         }
         let _one_update_at_a_time = self.update_lock.lock().await;
-        let (cluster, rotation, config, probe, journal, update, from) = {
+        let (cluster, rotation, config, probe, journal, update, from, updating) = {
             let mut guard = self.session.lock().await;
             let s = guard.as_mut().ok_or_else(|| Status::unavailable("the cluster is not up yet"))?;
             s.last_update += 1;
@@ -79,6 +95,7 @@ impl Coordinator for CoordinatorService {
                 s.journal.clone(),
                 s.last_update,
                 s.current_source.clone(),
+                s.updating.clone(),
             )
         };
         let dir = std::path::Path::new(&r.checkpoint_dir);
@@ -89,7 +106,11 @@ impl Coordinator for CoordinatorService {
             replicas: None,
             journal: journal.as_deref().map(|j| (j, update, from)),
         };
-        let outcome = crate::update::rolling_update(&cluster, &rotation, &config, plan).await;
+        let outcome = {
+            // Reports meanwhile see replicas on different versions as an update in flight.
+            let _in_flight = InFlight::set(&updating);
+            crate::update::rolling_update(&cluster, &rotation, &config, plan).await
+        };
         // The consistency report after the update (versions included).
         let report = {
             let mut guard = self.session.lock().await;

@@ -127,6 +127,11 @@ fn a_worker_killed_mid_stage_leaves_its_group_on_the_old_version() {
     let load = cluster.probe_load("10", "6");
     let update = cluster.update_in_background(&["--checkpoint", b.to_str().unwrap(), "--json"]);
     let events = wait_for_journal(&state, Duration::from_secs(60), |e| has_step(e, 1, "staging"));
+    // Mid-update (dp0 swapped to B, dp1 staging on A) the report is consistent and says why the
+    // replicas differ.
+    let mid = cluster.report();
+    assert_eq!(mid["ok"], true, "{mid}");
+    assert!(mid["notes"][0].as_str().is_some_and(|n| n.starts_with("an update is in flight")), "{mid}");
     let victim = events[0]["workers"].as_array().unwrap().iter().find(|w| w["id"] == 3).unwrap()["pid"].as_u64().unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let killed = std::process::Command::new("kill").args(["-KILL", &victim.to_string()]).status().unwrap();
