@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -187,6 +187,9 @@ pub struct Replayed {
     pub last_update: u64,
     /// A torn last line was ignored.
     pub torn_tail: bool,
+    /// Complete lines, and the bytes they take (where appending resumes).
+    pub lines: u64,
+    pub complete_bytes: u64,
 }
 
 /// The open journal.
@@ -233,12 +236,9 @@ impl Journal {
         let file = OpenOptions::new().append(true).open(&path).map_err(io)?;
         if replayed.torn_tail {
             // Drop the torn tail so the next line starts clean.
-            let text = std::fs::read(&path).map_err(io)?;
-            let keep = text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-            file.set_len(keep as u64).map_err(io)?;
+            file.set_len(replayed.complete_bytes).map_err(io)?;
         }
-        let lines = read_lines(&path)?.len() as u64;
-        Ok((Self { path, file: Mutex::new((file, lines)) }, replayed))
+        Ok((Self { path, file: Mutex::new((file, replayed.lines)) }, replayed))
     }
 
     pub fn path(&self) -> &Path {
@@ -269,18 +269,12 @@ impl Journal {
     }
 }
 
-/// The journal's lines; a last line without its newline is returned separately (torn).
-fn read_lines(path: &Path) -> Result<Vec<String>, JournalError> {
-    let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
-    let file = File::open(path).map_err(|source| JournalError::Io { dir: dir.clone(), source })?;
-    BufReader::new(file).lines().collect::<Result<_, _>>().map_err(|source| JournalError::Io { dir, source })
-}
-
 /// Replays the journal at `path`: `None` when it records no launch.
 pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
-    let text =
+    let bytes =
         std::fs::read(path).map_err(|source| JournalError::Io { dir: path.parent().unwrap_or(Path::new(".")).to_path_buf(), source })?;
-    let text = String::from_utf8_lossy(&text);
+    let complete_bytes = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) as u64;
+    let text = String::from_utf8_lossy(&bytes);
     let complete = text.ends_with('\n') || text.is_empty();
     let lines: Vec<&str> = text.lines().collect();
     let mut state: Option<Replayed> = None;
@@ -288,14 +282,13 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
     for (i, line) in lines.iter().enumerate() {
         let last = i + 1 == lines.len();
         let corrupt = |message: String| JournalError::Corrupt { file: path.to_path_buf(), line: i + 1, message };
-        let parsed: Line = match serde_json::from_str(line) {
-            Ok(l) => l,
-            Err(_) if last && !complete => {
-                torn_tail = true;
-                break;
-            }
-            Err(e) => return Err(corrupt(e.to_string())),
-        };
+        // A last line without its newline was cut short by a kill (even if what was written
+        // parses): the step it records was never confirmed on disk.
+        if last && !complete {
+            torn_tail = true;
+            break;
+        }
+        let parsed: Line = serde_json::from_str(line).map_err(|e| corrupt(e.to_string()))?;
         if parsed.seq != i as u64 + 1 {
             return Err(corrupt(format!("sequence number {} where {} was expected", parsed.seq, i + 1)));
         }
@@ -309,6 +302,8 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                     shut_down: false,
                     last_update: 0,
                     torn_tail: false,
+                    lines: 0,
+                    complete_bytes: 0,
                 });
             }
             other => {
@@ -345,6 +340,8 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
     }
     if let Some(s) = state.as_mut() {
         s.torn_tail = torn_tail;
+        s.lines = (lines.len() - usize::from(torn_tail)) as u64;
+        s.complete_bytes = complete_bytes;
     }
     Ok(state)
 }
@@ -439,11 +436,23 @@ mod tests {
         drop(f);
         let (j, r) = Journal::open(tmp.path()).unwrap();
         assert!(r.torn_tail);
+        assert_eq!(r.lines, 2);
         assert_eq!(r.pending.as_ref().map(|p| p.update), Some(1));
         j.record(Event::UpdateEnd { update: 1, ok: false, note: "rolled back".into() }).unwrap();
         let r = replay(&path).unwrap().unwrap();
         assert!(!r.torn_tail && r.pending.is_none());
         assert_eq!(r.current_version, "va");
+        // A whole event written without its newline (killed between the two) is torn too:
+        // appending after it would glue two events onto one line.
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(br#"{"seq":4,"unix_ms":1,"event":"shutdown"}"#).unwrap();
+        drop(f);
+        let (j, r) = Journal::open(tmp.path()).unwrap();
+        assert!(r.torn_tail && !r.shut_down);
+        j.record(Event::Shutdown).unwrap();
+        let r = replay(&path).unwrap().unwrap();
+        assert!(!r.torn_tail && r.shut_down);
+        assert_eq!(r.lines, 4);
     }
 
     #[test]
