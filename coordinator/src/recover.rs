@@ -32,17 +32,13 @@ pub enum Resolve {
     Rollback,
 }
 
-/// The load source of a journal record, opened in the coordinator.
+/// The load source of a journal record, opened in the coordinator the way a worker opens it.
 fn open_source(s: &SourceRecord) -> anyhow::Result<orchestrator_worker::LoadSource> {
-    Ok(match s {
-        SourceRecord::Checkpoint { dir } => {
-            orchestrator_worker::LoadSource::open_checkpoint(dir).with_context(|| format!("opening checkpoint {}", dir.display()))?
-        }
-        SourceRecord::Dummy { preset, layers, seed, bf16 } => {
-            let config = orchestrator_model::ModelConfig::from_preset(preset.parse()?, Some(*layers as usize).filter(|&l| l > 0), *bf16)?;
-            orchestrator_worker::LoadSource::Dummy { config, generator: orchestrator_model::Generator::new(*seed) }
-        }
-    })
+    let roots = match s {
+        SourceRecord::Checkpoint { dir } => orchestrator_worker::auth::AllowedRoots::new(std::slice::from_ref(dir))?,
+        SourceRecord::Dummy { .. } => Default::default(),
+    };
+    orchestrator_worker::server::source_from(Some(&s.to_pb()), &roots).map_err(|e| anyhow::anyhow!("the journal's source: {}", e.message()))
 }
 
 /// What the adopted ranks hold.

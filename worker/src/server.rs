@@ -341,12 +341,11 @@ impl Worker for WorkerService {
         }
         let (mut w, source) = st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
         w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
-        let version = source.version();
         if let Some(p) = st.plan.as_mut() {
             p.source = source;
         }
         st.weights = Some(w);
-        Ok(Response::new(pb::CommitResponse { checkpoint_version: version, generation: st.weights.as_ref().map_or(0, |w| w.generation) }))
+        Ok(Response::new(pb::CommitResponse { checkpoint_version: staged, generation: st.weights.as_ref().map_or(0, |w| w.generation) }))
     }
 
     async fn abort(&self, _request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
