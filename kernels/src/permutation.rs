@@ -10,6 +10,19 @@ pub const O_CHUNK: usize = 32;
 /// Heads per `wo_a` group (mega attention's fixed group size).
 pub const HEADS_PER_GROUP: usize = 8;
 
+/// The most positions a permutation may have: its entries are `u32` indices.
+pub const MAX_PERMUTATION_LEN: usize = 1 << 32;
+
+/// `a * b` positions, refused (not panicking, not allocating) when the product overflows or
+/// exceeds [`MAX_PERMUTATION_LEN`].
+fn checked_len(what: &str, a: usize, b: usize) -> Result<usize, KernelError> {
+    match a.checked_mul(b) {
+        Some(n) if n <= MAX_PERMUTATION_LEN => Ok(n),
+        Some(n) => Err(KernelError::Shape(format!("{what} of {a} x {b} = {n} positions exceeds u32 indices ({MAX_PERMUTATION_LEN})"))),
+        None => Err(KernelError::Shape(format!("{what} of {a} x {b} positions overflows"))),
+    }
+}
+
 /// A bijection on `0..len`: `perm[f]` is the standard index read into fused position `f`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Permutation {
@@ -34,13 +47,14 @@ impl Permutation {
     /// The Q permutation of `wq_b` rows for `n_local_heads` heads of `head_dim` dims:
     /// standard row `s = h*D + d` goes to fused row `f = (d/16)*(H*16) + h*16 + d%16`.
     pub fn q_rows(n_local_heads: usize, head_dim: usize) -> Result<Self, KernelError> {
-        if n_local_heads == 0 || !head_dim.is_multiple_of(Q_CHUNK) {
+        if n_local_heads == 0 || head_dim == 0 || !head_dim.is_multiple_of(Q_CHUNK) {
             return Err(KernelError::Shape(format!(
                 "Q permutation needs heads > 0 and head_dim a multiple of {Q_CHUNK} (heads {n_local_heads}, head_dim {head_dim})"
             )));
         }
         let h_count = n_local_heads;
-        let mut map = vec![0u32; h_count * head_dim];
+        let len = checked_len("Q permutation", h_count, head_dim)?;
+        let mut map = vec![0u32; len];
         for h in 0..h_count {
             for d in 0..head_dim {
                 let s = h * head_dim + d;
@@ -54,11 +68,11 @@ impl Permutation {
     /// The O permutation of `wo_a` columns (one group of 8 heads):
     /// standard column `s = h*D + c*32 + j` goes to fused column `f = (c*8 + h)*32 + j`.
     pub fn o_columns(head_dim: usize) -> Result<Self, KernelError> {
-        if !head_dim.is_multiple_of(O_CHUNK) {
-            return Err(KernelError::Shape(format!("O permutation needs head_dim a multiple of {O_CHUNK} (got {head_dim})")));
+        if head_dim == 0 || !head_dim.is_multiple_of(O_CHUNK) {
+            return Err(KernelError::Shape(format!("O permutation needs head_dim a positive multiple of {O_CHUNK} (got {head_dim})")));
         }
         let chunks = head_dim / O_CHUNK;
-        let mut map = vec![0u32; HEADS_PER_GROUP * head_dim];
+        let mut map = vec![0u32; checked_len("O permutation", HEADS_PER_GROUP, head_dim)?];
         for h in 0..HEADS_PER_GROUP {
             for c in 0..chunks {
                 for j in 0..O_CHUNK {
@@ -190,6 +204,16 @@ mod tests {
         let p = Permutation::q_rows(16, 512).unwrap();
         assert!(Permutation::from_map(p.as_slice().to_vec()).is_ok());
         assert!(p.of_chunks(Q_CHUNK).is_ok());
+    }
+
+    #[test]
+    fn absurd_sizes_are_refused_not_panicking() {
+        for (heads, head_dim) in [(8usize << 58, 512), (usize::MAX, 16), (1 << 28, 512), (8, 0), (0, 512)] {
+            assert!(matches!(Permutation::q_rows(heads, head_dim), Err(KernelError::Shape(_))), "{heads} x {head_dim}");
+        }
+        for head_dim in [0, usize::MAX - 31, 1 << 62] {
+            assert!(matches!(Permutation::o_columns(head_dim), Err(KernelError::Shape(_))), "{head_dim}");
+        }
     }
 
     #[test]

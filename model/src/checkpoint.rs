@@ -51,6 +51,18 @@ impl Shard {
         // SAFETY: the map is read-only; checkpoints are not modified while loaded (a writer
         // replaces files by rename, which leaves this mapping on the old inode).
         let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
+        if let Some(n) = mmap.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+            && n > crate::limits::MAX_HEADER_BYTES as u64
+        {
+            return Err(ModelError::MalformedHeader {
+                file: path.to_path_buf(),
+                tensor: wanted.to_string(),
+                why: format!(
+                    "the header declares {n} bytes, over the limit of {} (limits::MAX_HEADER_BYTES)",
+                    crate::limits::MAX_HEADER_BYTES
+                ),
+            });
+        }
         let (n, metadata) = SafeTensors::read_metadata(&mmap).map_err(|e| diagnose(path, &mmap, e, wanted))?;
         let tensors = tensor_infos(&metadata);
         Ok(Self { path: path.to_path_buf(), mmap, data_start: 8 + n, tensors })
@@ -297,18 +309,43 @@ impl Checkpoint {
     }
 }
 
+/// The raw `weight_map` of an index; `metadata` and every other field are skipped unread.
+#[derive(serde::Deserialize)]
+struct IndexFields<'a> {
+    #[serde(borrow, default)]
+    weight_map: Option<&'a serde_json::value::RawValue>,
+}
+
 fn read_index(file: &Path) -> Result<BTreeMap<String, String>, ModelError> {
+    let bytes = crate::config::read_bounded(file, crate::limits::MAX_INDEX_BYTES)?;
+    parse_index(&bytes, file)
+}
+
+/// Parses a `model.safetensors.index.json` (`file` names it in errors): its `weight_map`,
+/// tensor name to shard file name. A file name with `/` or `..`, or an empty one, is refused
+/// (shards lie in the checkpoint directory itself). Nothing is copied into a JSON tree: the
+/// only allocations are the map's names.
+pub fn parse_index(bytes: &[u8], file: &Path) -> Result<BTreeMap<String, String>, ModelError> {
+    use serde_json::value::RawValue;
     let err = |why: String| ModelError::Index { file: file.to_path_buf(), why };
-    let text = std::fs::read_to_string(file).map_err(|source| ModelError::Io { path: file.to_path_buf(), source })?;
-    let v: Value = serde_json::from_str(&text).map_err(|e| err(format!("malformed JSON: {e}")))?;
-    let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| err("no `weight_map` object".into()))?;
-    map.iter()
+    let text = std::str::from_utf8(bytes).map_err(|e| err(format!("not UTF-8: {e}")))?;
+    if !text.trim_start().starts_with('{') {
+        return Err(match serde_json::from_str::<serde::de::IgnoredAny>(text) {
+            Err(e) => err(format!("malformed JSON: {e}")),
+            Ok(_) => err("top level is not an object".into()),
+        });
+    }
+    let fields: IndexFields = serde_json::from_str(text).map_err(|e| err(format!("malformed JSON: {e}")))?;
+    let raw = fields.weight_map.filter(|m| m.get().starts_with('{')).ok_or_else(|| err("no `weight_map` object".into()))?;
+    let map: BTreeMap<String, &RawValue> = serde_json::from_str(raw.get()).map_err(|e| err(format!("malformed weight_map: {e}")))?;
+    map.into_iter()
         .map(|(k, f)| {
-            let f = f.as_str().ok_or_else(|| err(format!("weight_map[`{k}`] is {f}, expected a file name")))?;
-            if f.contains('/') || f.contains("..") {
+            let f = serde_json::from_str::<String>(f.get())
+                .map_err(|_| err(format!("weight_map[`{k}`] is {}, expected a file name", crate::config::excerpt(f.get()))))?;
+            if f.is_empty() || f.contains('/') || f.contains('\\') || f.contains("..") {
                 return Err(err(format!("weight_map[`{k}`] = `{f}` points outside the checkpoint directory")));
             }
-            Ok((k.clone(), f.to_string()))
+            Ok((k, f))
         })
         .collect()
 }

@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::ModelError;
+use crate::limits;
 
 /// The dims mega attention's layouts are defined by.
 pub const HEAD_DIM: usize = 512;
@@ -148,8 +149,25 @@ impl Geometry {
     }
 
     /// Checks that mega attention's layouts are defined for this geometry (independent of TP).
+    ///
+    /// Every field is first checked against its limit in [`crate::limits`] (so nothing sized
+    /// by the geometry is allocated or iterated for an absurd one), then the layout rules, then
+    /// every tensor's byte size and the checkpoint's in-scope total are formed with checked
+    /// arithmetic.
     pub fn validate(&self, block: Option<[usize; 2]>) -> Result<(), ModelError> {
         let bad = |field: &'static str, why: String| Err(ModelError::Geometry { field, why });
+        for (field, v, limit, name) in [
+            ("num_hidden_layers", self.layers, limits::MAX_LAYERS, "MAX_LAYERS"),
+            ("num_attention_heads", self.heads, limits::MAX_HEADS, "MAX_HEADS"),
+            ("o_groups", self.o_groups, limits::MAX_O_GROUPS, "MAX_O_GROUPS"),
+            ("hidden_size", self.hidden, limits::MAX_HIDDEN, "MAX_HIDDEN"),
+            ("q_lora_rank", self.q_lora_rank, limits::MAX_LORA_RANK, "MAX_LORA_RANK"),
+            ("o_lora_rank", self.o_lora_rank, limits::MAX_LORA_RANK, "MAX_LORA_RANK"),
+        ] {
+            if v > limit {
+                return bad(field, format!("is {v}, over the limit of {limit} (limits::{name})"));
+            }
+        }
         if self.head_dim != HEAD_DIM {
             return bad("head_dim", format!("is {}, mega attention's layouts need {HEAD_DIM}", self.head_dim));
         }
@@ -185,6 +203,12 @@ impl Geometry {
             if bm == 0 || bk == 0 || bm % 32 != 0 || bk % 32 != 0 {
                 return Err(ModelError::Quantization(format!("weight_block_size [{bm}, {bk}] must be multiples of 32")));
             }
+            if bm > limits::MAX_BLOCK || bk > limits::MAX_BLOCK {
+                return Err(ModelError::Quantization(format!(
+                    "weight_block_size [{bm}, {bk}] is over the limit of {} (limits::MAX_BLOCK)",
+                    limits::MAX_BLOCK
+                )));
+            }
             for (what, rows, cols) in
                 [("wq_b", self.q_rows(), self.q_lora_rank), ("wo_a", self.o_rows(), self.o_cols()), ("wo_b", self.hidden, self.o_rows())]
             {
@@ -195,7 +219,29 @@ impl Geometry {
                 }
             }
         }
-        Ok(())
+        self.checked_in_scope_bytes().map(|_| ())
+    }
+
+    /// An upper bound of the checkpoint's in-scope bytes (every matrix counted at BF16's 2
+    /// bytes per element, which is more than E4M3 plus its scales), formed with checked
+    /// arithmetic: `Geometry { field: "geometry", .. }` when a product overflows.
+    pub fn checked_in_scope_bytes(&self) -> Result<usize, ModelError> {
+        let overflow = |e: limits::LimitError| ModelError::Geometry { field: "geometry", why: e.to_string() };
+        let q_rows = limits::mul("wq_b rows (heads * head_dim)", self.heads, self.head_dim).map_err(overflow)?;
+        let o_rows = limits::mul("wo_a rows (o_groups * o_lora_rank)", self.o_groups, self.o_lora_rank).map_err(overflow)?;
+        let o_cols = limits::mul("wo_a columns", HEADS_PER_GROUP, self.head_dim).map_err(overflow)?;
+        let mut layer = 0usize;
+        for (what, rows, cols) in
+            [("wq_b bytes", q_rows, self.q_lora_rank), ("wo_a bytes", o_rows, o_cols), ("wo_b bytes", self.hidden, o_rows)]
+        {
+            // BF16: 2 bytes per element (E4M3 is 1, and its scales are 1/1024 of that).
+            let bytes = limits::mul(what, limits::mul(what, rows, cols).map_err(overflow)?, 2).map_err(overflow)?;
+            layer = layer.checked_add(bytes).ok_or_else(|| overflow(limits::LimitError::Overflow { what, detail: "sum".into() }))?;
+        }
+        let sink = limits::mul("attn_sink bytes", self.heads, 4).map_err(overflow)?;
+        let layer =
+            layer.checked_add(sink).ok_or_else(|| ModelError::Geometry { field: "geometry", why: "layer bytes overflow".into() })?;
+        limits::mul("in-scope checkpoint bytes", layer, self.layers).map_err(overflow)
     }
 }
 

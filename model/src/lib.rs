@@ -7,6 +7,7 @@ pub mod config;
 pub mod generator;
 pub mod geometry;
 pub mod inspect;
+pub mod limits;
 pub mod names;
 pub mod plan;
 pub mod synth;
@@ -30,6 +31,8 @@ pub enum ModelError {
     Config { file: PathBuf, why: String },
     #[error("{file}: {why}")]
     Index { file: PathBuf, why: String },
+    #[error("{file} is {bytes} bytes, over the limit of {limit} bytes read into memory")]
+    FileTooLarge { file: PathBuf, bytes: u64, limit: u64 },
     #[error("unknown preset `{name}` (known: {known})")]
     UnknownPreset { name: String, known: String },
     #[error("geometry field `{field}` {why}")]

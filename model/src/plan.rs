@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ModelError;
 use crate::geometry::{Geometry, HEADS_PER_GROUP};
+use crate::limits;
 
 /// Checks that a TP size gives every rank whole heads and groups, with `n_local_heads % 8 == 0`
 /// and 8 heads per local group (mega attention's requirement).
@@ -14,6 +15,9 @@ pub fn validate_tp(geometry: &Geometry, tp: usize) -> Result<(), ModelError> {
     let err = |why: String| Err(ModelError::TpSize { tp, why });
     if tp == 0 {
         return err("TP size must be at least 1".to_string());
+    }
+    if tp > limits::MAX_TP {
+        return err(format!("over the limit of {} (limits::MAX_TP)", limits::MAX_TP));
     }
     if geometry.o_groups == 0 || geometry.heads == 0 {
         return err(format!("the geometry has {} heads in {} o_groups", geometry.heads, geometry.o_groups));
@@ -42,9 +46,10 @@ pub fn validate_tp(geometry: &Geometry, tp: usize) -> Result<(), ModelError> {
     Ok(())
 }
 
-/// Every TP size this geometry allows.
+/// Every TP size this geometry allows. Only candidates up to `min(o_groups, MAX_TP)` are
+/// tried (a valid TP size splits the groups), so an absurd geometry costs no more than a real one.
 pub fn valid_tp_sizes(geometry: &Geometry) -> Vec<usize> {
-    (1..=geometry.heads)
+    (1..=geometry.o_groups.min(limits::MAX_TP))
         .filter(|&t| {
             geometry.o_groups >= t
                 && geometry.heads.is_multiple_of(t)
@@ -113,6 +118,21 @@ mod tests {
         let no_groups = Geometry { o_groups: 0, ..g };
         assert!(matches!(validate_tp(&no_groups, 1), Err(ModelError::TpSize { .. })));
         assert!(valid_tp_sizes(&no_groups).is_empty());
+        assert!(matches!(validate_tp(&g, limits::MAX_TP + 1), Err(ModelError::TpSize { .. })));
+        assert!(matches!(validate_tp(&g, usize::MAX), Err(ModelError::TpSize { .. })));
+    }
+
+    #[test]
+    fn absurd_geometries_cost_nothing() {
+        // Unvalidated geometries straight from a caller: no loop up to `heads`, no overflow.
+        let start = std::time::Instant::now();
+        for heads in [8usize << 34, 8 << 58, usize::MAX] {
+            let g = Geometry { heads, o_groups: heads / 8, ..Preset::Dsv41Flash.geometry() };
+            let sizes = valid_tp_sizes(&g);
+            assert!(sizes.iter().all(|&t| t <= limits::MAX_TP), "{sizes:?}");
+            assert!(matches!(g.validate(None), Err(ModelError::Geometry { field: "num_attention_heads", .. })));
+        }
+        assert!(start.elapsed() < std::time::Duration::from_secs(1));
     }
 
     #[test]
