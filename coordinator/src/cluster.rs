@@ -8,19 +8,21 @@ use std::future::Future;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use orchestrator_proto::limits;
 use orchestrator_proto::v1 as pb;
 use orchestrator_proto::v1::worker_client::WorkerClient;
 use orchestrator_worker::auth::Token;
+use orchestrator_worker::process::ProcessIdentity;
 use orchestrator_worker::tls::TlsFiles;
 use tokio::process::{Child, Command};
-use tokio::task::JoinSet;
 use tonic::transport::Channel;
 
 /// A worker that misses heartbeats this long has stopped answering.
-pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(4);
+pub const HEARTBEAT_TIMEOUT: Duration = limits::HEARTBEAT_TIMEOUT;
 /// Deadlines of the calls to workers.
 pub const ASSIGN_DEADLINE: Duration = Duration::from_secs(60);
 pub const LOAD_DEADLINE: Duration = Duration::from_secs(1800);
@@ -34,7 +36,8 @@ pub struct Registration {
     pub address: String,
     pub host: String,
     pub device: String,
-    pub pid: u32,
+    /// The process (pid, start time, boot, executable) as the worker reported it.
+    pub process: ProcessIdentity,
     pub last_heartbeat: Instant,
 }
 
@@ -63,10 +66,11 @@ impl Registry {
 }
 
 /// A worker's process: a child this coordinator started, or one a previous coordinator
-/// started and this one adopted from the state directory (known by pid only).
+/// started and this one adopted from the state directory (known by its recorded identity only,
+/// and signalled only after proving it is still that process).
 pub enum WorkerProcess {
     Child(Box<tokio::sync::Mutex<Child>>),
-    Adopted { pid: u32 },
+    Adopted { identity: ProcessIdentity },
 }
 
 impl WorkerProcess {
@@ -78,11 +82,12 @@ impl WorkerProcess {
                 Ok(Some(status)) => Some(format!("exited ({status})")),
                 Err(e) => Some(format!("cannot be waited on: {e}")),
             },
-            Self::Adopted { pid } => (!pid_alive(*pid)).then(|| format!("exited (pid {pid} is gone)")),
+            Self::Adopted { identity } => (!identity.alive()).then(|| format!("exited (pid {} is gone)", identity.pid)),
         }
     }
 
-    /// Waits up to `limit` for the process to end, then kills it.
+    /// Waits up to `limit` for the process to end, then kills it (an adopted one only when it
+    /// is provably still the worker the journal names).
     pub async fn stop_within(&self, limit: Duration) {
         match self {
             Self::Child(child) => {
@@ -91,12 +96,12 @@ impl WorkerProcess {
                     let _ = child.kill().await;
                 }
             }
-            Self::Adopted { pid } => {
+            Self::Adopted { identity } => {
                 let start = Instant::now();
-                while pid_alive(*pid) && start.elapsed() < limit {
+                while identity.alive() && start.elapsed() < limit {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-                kill_pid(*pid);
+                kill_adopted(identity);
             }
         }
     }
@@ -106,31 +111,19 @@ impl WorkerProcess {
             Self::Child(child) => {
                 let _ = child.lock().await.kill().await;
             }
-            Self::Adopted { pid } => kill_pid(*pid),
+            Self::Adopted { identity } => kill_adopted(identity),
         }
     }
 }
 
-/// Whether a process with this pid exists (and is not a zombie).
-fn pid_alive(pid: u32) -> bool {
-    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
-    if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state field follows the parenthesized command name.
-        return stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'));
+/// SIGKILL to an adopted worker, through a pidfd, only after its identity checked out.
+fn kill_adopted(identity: &ProcessIdentity) {
+    if !identity.alive() {
+        return;
     }
-    // SAFETY: kill with signal 0 sends nothing; it only checks that the process exists.
-    unsafe { libc::kill(pid, 0) == 0 }
-}
-
-fn kill_pid(pid: u32) {
-    if let Ok(pid) = libc::pid_t::try_from(pid)
-        && pid > 0
-        && pid_alive(pid as u32)
-    {
-        // SAFETY: SIGKILL to a single positive pid this cluster's journal names as its worker.
-        unsafe {
-            libc::kill(pid, libc::SIGKILL);
-        }
+    if let Err(e) = identity.kill() {
+        tracing::warn!("not signalling adopted worker: {e}");
+        eprintln!("warning: not signalling pid {}: {e}", identity.pid);
     }
 }
 
@@ -165,6 +158,9 @@ pub struct Cluster {
     pub group_locks: Vec<tokio::sync::Mutex<()>>,
     /// The cluster's TLS files, when the control plane runs over TLS.
     pub tls: Option<TlsFiles>,
+    /// Each TP group's ring epoch: bumped after any failed probe of the group, so the next
+    /// probe's ranks build a new ring instead of reusing a broken one.
+    pub ring_epochs: Vec<AtomicU32>,
 }
 
 /// Where the workers of a cluster run.
@@ -200,6 +196,9 @@ fn visible_gpus() -> usize {
 
 /// A failure named by rank.
 pub type Failures = Vec<(u32, String)>;
+
+/// Each rank's answer (or why it has none), by worker id.
+pub type RankResults<T> = BTreeMap<u32, Result<T, String>>;
 
 /// The worker command: the `orchestrator-worker` binary next to this executable (as TGI's
 /// launcher finds its shards), or, when it is not there (`cargo run --bin orchestrator` builds
@@ -264,7 +263,8 @@ impl Cluster {
             });
         }
         let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
-        Ok(Self { tp, dp, workers, registry, token, group_locks, tls })
+        let ring_epochs = (0..dp).map(|_| AtomicU32::new(0)).collect();
+        Ok(Self { tp, dp, workers, registry, token, group_locks, tls, ring_epochs })
     }
 
     /// Takes over the workers a previous coordinator started (from its journal): registers
@@ -279,13 +279,14 @@ impl Cluster {
     ) -> Result<Self, Failures> {
         let mut workers = Vec::new();
         for r in records {
+            let identity = r.identity();
             registry.register(
                 r.id,
                 Registration {
                     address: r.address.clone(),
                     host: String::new(),
                     device: String::new(),
-                    pid: r.pid,
+                    process: identity.clone(),
                     last_heartbeat: Instant::now(),
                 },
             );
@@ -293,14 +294,17 @@ impl Cluster {
                 id: r.id,
                 dp: r.dp,
                 tp: r.tp,
-                process: WorkerProcess::Adopted { pid: r.pid },
+                process: WorkerProcess::Adopted { identity },
                 client: None,
                 collective: r.collective.clone(),
                 nccl_unique_id: crate::journal::from_hex(&r.nccl_unique_id).unwrap_or_default(),
             });
         }
         let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
-        let mut cluster = Self { tp, dp, workers, registry, token, group_locks, tls };
+        // A new coordinator starts every ring on a fresh epoch: the rings the old one built may
+        // have broken meanwhile.
+        let ring_epochs = (0..dp).map(|_| AtomicU32::new(1)).collect();
+        let mut cluster = Self { tp, dp, workers, registry, token, group_locks, tls, ring_epochs };
         // Lazily: a worker that died meanwhile fails its calls (and is named), it does not stop
         // the others from being adopted.
         cluster.connect_registered(true).await?;
@@ -313,12 +317,16 @@ impl Cluster {
             .iter()
             .map(|w| {
                 let reg = self.registry.get(w.id);
+                let process = reg.as_ref().map(|r| r.process.clone()).unwrap_or_default();
                 crate::journal::WorkerRecord {
                     id: w.id,
                     dp: w.dp,
                     tp: w.tp,
                     address: reg.as_ref().map(|r| r.address.clone()).unwrap_or_default(),
-                    pid: reg.map_or(0, |r| r.pid),
+                    pid: process.pid,
+                    start_ticks: process.start_ticks,
+                    boot_id: process.boot_id,
+                    executable: process.executable,
                     collective: w.collective.clone(),
                     nccl_unique_id: crate::journal::to_hex(&w.nccl_unique_id),
                 }
@@ -326,45 +334,45 @@ impl Cluster {
             .collect()
     }
 
-    /// The first worker (of replica `group`, or of all) that exited or stopped answering,
-    /// checked every 100 ms; never returns while they are healthy.
-    pub async fn watchdog(&self, group: Option<u32>) -> Failures {
-        loop {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            let mut failures = Vec::new();
-            for w in self.workers.iter().filter(|w| group.is_none_or(|g| w.dp == g)) {
-                if let Some(how) = w.process.exited().await {
-                    failures.push((w.id, format!("{} {how}", w.label())));
-                    continue;
-                }
-                if let Some(r) = self.registry.get(w.id) {
-                    let silent = r.last_heartbeat.elapsed();
-                    if silent > HEARTBEAT_TIMEOUT {
-                        failures.push((
-                            w.id,
-                            format!(
-                                "{} (pid {} on {}, {}) stopped answering: no heartbeat for {:.1} s",
-                                w.label(),
-                                r.pid,
-                                r.host,
-                                r.device,
-                                silent.as_secs_f64()
-                            ),
-                        ));
-                    }
-                }
-            }
-            if !failures.is_empty() {
-                return failures;
-            }
+    /// Whether a rank is down: `None` while it runs and heartbeats; else whether it is dead
+    /// (its process is gone) and why.
+    pub async fn health(&self, w: &WorkerHandle) -> Option<(bool, String)> {
+        if let Some(how) = w.process.exited().await {
+            return Some((true, format!("{} {how}", w.label())));
         }
+        let r = self.registry.get(w.id)?;
+        let silent = r.last_heartbeat.elapsed();
+        (silent > HEARTBEAT_TIMEOUT).then(|| {
+            (
+                false,
+                format!(
+                    "{} (pid {} on {}, {}) stopped answering: no heartbeat for {:.1} s",
+                    w.label(),
+                    r.process.pid,
+                    r.host,
+                    r.device,
+                    silent.as_secs_f64()
+                ),
+            )
+        })
     }
 
-    /// Runs `fut` unless a worker (of `group`, or any) fails first.
-    pub async fn guarded<T>(&self, group: Option<u32>, fut: impl Future<Output = T>) -> Result<T, Failures> {
-        tokio::select! {
-            out = fut => Ok(out),
-            failures = self.watchdog(group) => Err(failures),
+    /// The ranks of replica `dp` that are down, each with whether it is dead and why.
+    pub async fn down_in(&self, dp: u32) -> Vec<Option<(bool, String)>> {
+        let mut out = Vec::new();
+        for w in self.workers.iter().filter(|w| w.dp == dp) {
+            out.push(self.health(w).await);
+        }
+        out
+    }
+
+    /// Resolves once rank `w` is down (checked every 100 ms), with why; never while it is up.
+    async fn rank_down(&self, w: &WorkerHandle) -> String {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if let Some((_, why)) = self.health(w).await {
+                return why;
+            }
         }
     }
 
@@ -409,40 +417,37 @@ impl Cluster {
         Ok(())
     }
 
-    /// Calls `op` on every worker concurrently, under the watchdog; results by worker id.
-    pub async fn fan_out<T, F, Fut>(&self, op: F) -> Result<BTreeMap<u32, Result<T, String>>, Failures>
+    /// Calls `op` on every worker concurrently; results by worker id. Each rank's call is cut
+    /// short when that rank goes down (exits or stops heartbeating), so one failed rank fails
+    /// only its own call (and whatever its peers' calls depend on it), never the others'.
+    pub async fn fan_out<T, F, Fut>(&self, op: F) -> RankResults<T>
     where
-        T: Send + 'static,
         F: Fn(&WorkerHandle, WorkerClient<Channel>) -> Fut,
-        Fut: Future<Output = Result<T, String>> + Send + 'static,
+        Fut: Future<Output = Result<T, String>>,
     {
         self.fan_out_in(None, op).await
     }
 
     /// [`Cluster::fan_out`] on the ranks of one replica (`Some(dp)`) or of all.
-    pub async fn fan_out_in<T, F, Fut>(&self, group: Option<u32>, op: F) -> Result<BTreeMap<u32, Result<T, String>>, Failures>
+    pub async fn fan_out_in<T, F, Fut>(&self, group: Option<u32>, op: F) -> RankResults<T>
     where
-        T: Send + 'static,
         F: Fn(&WorkerHandle, WorkerClient<Channel>) -> Fut,
-        Fut: Future<Output = Result<T, String>> + Send + 'static,
+        Fut: Future<Output = Result<T, String>>,
     {
-        let mut set = JoinSet::new();
-        for w in self.workers.iter().filter(|w| group.is_none_or(|g| w.dp == g)) {
-            let Some(client) = w.client.clone() else { continue };
-            let id = w.id;
-            let fut = op(w, client);
-            set.spawn(async move { (id, fut.await) });
-        }
-        self.guarded(group, async move {
-            let mut out = BTreeMap::new();
-            while let Some(joined) = set.join_next().await {
-                if let Ok((id, r)) = joined {
-                    out.insert(id, r);
-                }
+        let calls = self.workers.iter().filter(|w| group.is_none_or(|g| w.dp == g)).map(|w| {
+            let call = w.client.clone().map(|client| op(w, client));
+            async move {
+                let result = match call {
+                    None => Err(format!("{} is not connected", w.label())),
+                    Some(call) => tokio::select! {
+                        r = call => r,
+                        why = self.rank_down(w) => Err(why),
+                    },
+                };
+                (w.id, result)
             }
-            out
-        })
-        .await
+        });
+        futures_util::future::join_all(calls).await.into_iter().collect()
     }
 
     /// Assigns `(dp, tp)` shards; records each rank's collective address.
@@ -474,7 +479,7 @@ impl Cluster {
                 let label = w.label();
                 async move { client.assign(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: assign: {}", s.message())) }
             })
-            .await?;
+            .await;
         let mut failures = Vec::new();
         for w in &mut self.workers {
             match results.get(&w.id) {
@@ -490,7 +495,7 @@ impl Cluster {
     }
 
     /// Loads every rank in parallel, showing progress on stderr; load seconds by worker.
-    pub async fn load(&self) -> Result<BTreeMap<u32, Result<f64, String>>, Failures> {
+    pub async fn load(&self) -> RankResults<f64> {
         let progress: Arc<Mutex<BTreeMap<u32, (u32, u32)>>> = Arc::new(Mutex::new(BTreeMap::new()));
         let terminal = std::io::stderr().is_terminal();
         let labels: BTreeMap<u32, String> = self.workers.iter().map(|w| (w.id, format!("dp{}/tp{}", w.dp, w.tp))).collect();
@@ -539,63 +544,70 @@ impl Cluster {
         result
     }
 
-    /// Runs the probe on the ranks of one replica (or all), on their active or staged weights;
-    /// each TP group all-reduces over its ring (set up on the first probe, reused after) while
-    /// holding its group lock.
+    /// Runs the probe on the ranks of one replica (or all), on their active or staged weights.
+    /// Each TP group all-reduces over its ring of the group's current epoch while holding its
+    /// group lock (groups are probed concurrently, each under its own lock, so a probe of one
+    /// replica never waits for another's); a group any of whose ranks failed gets a new ring
+    /// epoch for its next probe.
     pub async fn probe_in(
         &self,
         group: Option<u32>,
         (tokens, latents, seed): (u32, u32, u64),
         shadow: bool,
         skip_reference: bool,
-    ) -> Result<BTreeMap<u32, Result<pb::ProbeResult, String>>, Failures> {
-        let mut guards = Vec::new();
-        for (dp, lock) in self.group_locks.iter().enumerate() {
-            if group.is_none_or(|g| g as usize == dp) {
-                guards.push(lock.lock().await);
+    ) -> RankResults<pb::ProbeResult> {
+        let groups: Vec<u32> = (0..self.dp).filter(|dp| group.is_none_or(|g| g == *dp)).collect();
+        let per_group = groups.into_iter().map(|dp| async move {
+            let _guard = self.group_locks[dp as usize].lock().await;
+            let peers: Vec<String> = self.workers.iter().filter(|w| w.dp == dp).map(|w| w.collective.clone()).collect();
+            // GPU groups: the NCCL unique id their rank 0 created, relayed to every rank.
+            let nccl = self.workers.iter().find(|w| w.dp == dp && w.tp == 0).map(|w| w.nccl_unique_id.clone()).unwrap_or_default();
+            let epoch = self.ring_epochs[dp as usize].load(Ordering::SeqCst);
+            let results = self
+                .fan_out_in(Some(dp), |w, mut client| {
+                    let req = orchestrator_worker::auth::request(
+                        pb::ProbeRequest {
+                            tokens,
+                            latents,
+                            seed,
+                            group: u64::from(w.dp),
+                            peers: peers.clone(),
+                            timeout_ms: limits::RING_TIMEOUT.as_millis() as u32,
+                            shadow,
+                            skip_reference,
+                            nccl_unique_id: nccl.clone(),
+                            ring_epoch: epoch,
+                        },
+                        PROBE_DEADLINE,
+                        Some(&self.token),
+                    );
+                    let label = w.label();
+                    async move { client.probe(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: probe: {}", s.message())) }
+                })
+                .await;
+            if results.values().any(Result::is_err) {
+                // The ring may be broken on some ranks: the next probe starts a new epoch.
+                let _ = self.ring_epochs[dp as usize].compare_exchange(epoch, epoch.wrapping_add(1), Ordering::SeqCst, Ordering::SeqCst);
             }
-        }
-        let peers: BTreeMap<u32, Vec<String>> =
-            (0..self.dp).map(|dp| (dp, self.workers.iter().filter(|w| w.dp == dp).map(|w| w.collective.clone()).collect())).collect();
-        // GPU groups: the NCCL unique id their rank 0 created, relayed to every rank.
-        let nccl_ids: BTreeMap<u32, Vec<u8>> =
-            self.workers.iter().filter(|w| w.tp == 0).map(|w| (w.dp, w.nccl_unique_id.clone())).collect();
-        self.fan_out_in(group, |w, mut client| {
-            let req = orchestrator_worker::auth::request(
-                pb::ProbeRequest {
-                    tokens,
-                    latents,
-                    seed,
-                    group: u64::from(w.dp),
-                    peers: peers[&w.dp].clone(),
-                    timeout_ms: 15_000,
-                    shadow,
-                    skip_reference,
-                    nccl_unique_id: nccl_ids.get(&w.dp).cloned().unwrap_or_default(),
-                },
-                PROBE_DEADLINE,
-                Some(&self.token),
-            );
-            let label = w.label();
-            async move { client.probe(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: probe: {}", s.message())) }
-        })
-        .await
+            results
+        });
+        futures_util::future::join_all(per_group).await.into_iter().flatten().collect()
     }
 
     /// Runs the probe on every rank's active weights.
-    pub async fn probe(&self, tokens: u32, latents: u32, seed: u64) -> Result<BTreeMap<u32, Result<pb::ProbeResult, String>>, Failures> {
+    pub async fn probe(&self, tokens: u32, latents: u32, seed: u64) -> RankResults<pb::ProbeResult> {
         self.probe_in(None, (tokens, latents, seed), false, false).await
     }
 
     /// Every rank's report.
-    pub async fn reports(&self) -> Result<BTreeMap<u32, Result<pb::RankReport, String>>, Failures> {
+    pub async fn reports(&self) -> RankResults<pb::RankReport> {
         self.reports_in(None, false).await
     }
 
     /// The reports of one replica's ranks (or all), on their active or staged weights.
-    pub async fn reports_in(&self, group: Option<u32>, shadow: bool) -> Result<BTreeMap<u32, Result<pb::RankReport, String>>, Failures> {
+    pub async fn reports_in(&self, group: Option<u32>, shadow: bool) -> RankResults<pb::RankReport> {
         self.fan_out_in(group, |w, mut client| {
-            let req = orchestrator_worker::auth::request(pb::ReportRequest { shadow }, REPORT_DEADLINE, Some(&self.token));
+            let req = orchestrator_worker::auth::request(pb::ReportRequest { shadow, brief: false }, REPORT_DEADLINE, Some(&self.token));
             let label = w.label();
             async move { client.report(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: report: {}", s.message())) }
         })
@@ -603,8 +615,8 @@ impl Cluster {
     }
 
     /// Stages `source` on every rank of replica `dp` (shadow buffers; the active weights keep
-    /// serving): seconds by worker.
-    pub async fn stage(&self, dp: u32, source: &pb::LoadSource) -> Result<BTreeMap<u32, Result<f64, String>>, Failures> {
+    /// serving): seconds and the staged version, by worker.
+    pub async fn stage(&self, dp: u32, source: &pb::LoadSource) -> RankResults<(f64, String)> {
         self.fan_out_in(Some(dp), |w, mut client| {
             let label = w.label();
             let req =
@@ -613,7 +625,7 @@ impl Cluster {
                 let mut stream = client.stage(req).await.map_err(|s| format!("{label}: stage: {}", s.message()))?.into_inner();
                 loop {
                     match stream.message().await {
-                        Ok(Some(p)) if p.finished => return Ok(p.load_seconds),
+                        Ok(Some(p)) if p.finished => return Ok((p.load_seconds, p.version)),
                         Ok(Some(_)) => {}
                         Ok(None) => return Err(format!("{label}: stage stream ended early")),
                         Err(s) => return Err(format!("{label}: stage: {}", s.message())),
@@ -624,34 +636,41 @@ impl Cluster {
         .await
     }
 
-    /// Swaps the staged version in on every rank of replica `dp`, holding its group lock
-    /// (the barrier); a rank whose staged version is not `expected` refuses. Checkpoint
-    /// version by worker.
-    pub async fn commit(&self, dp: u32, expected: &str) -> Result<BTreeMap<u32, Result<String, String>>, Failures> {
+    /// Asks every rank of replica `dp` to swap to the decided version `expected` (a rank that
+    /// already holds it answers at once): each rank's answer, `(active, staged)`.
+    pub async fn commit(&self, dp: u32, expected: &str) -> RankResults<(String, String)> {
         let _guard = self.group_locks[dp as usize].lock().await;
         self.fan_out_in(Some(dp), |w, mut client| {
             let label = w.label();
             let req = orchestrator_worker::auth::request(
                 pb::CommitRequest { expected_version: expected.to_string() },
-                ASSIGN_DEADLINE,
+                limits::COMMIT_CALL_DEADLINE,
                 Some(&self.token),
             );
             async move {
-                client.commit(req).await.map(|r| r.into_inner().checkpoint_version).map_err(|s| format!("{label}: commit: {}", s.message()))
+                client
+                    .commit(req)
+                    .await
+                    .map(|r| {
+                        let r = r.into_inner();
+                        (r.checkpoint_version, r.staged_version)
+                    })
+                    .map_err(|s| format!("{label}: commit: {}", s.message()))
             }
         })
         .await
     }
 
-    /// Drops whatever replica `dp` staged.
-    pub async fn abort(&self, dp: u32) {
-        let _ = self
-            .fan_out_in(Some(dp), |w, mut client| {
-                let req = orchestrator_worker::auth::request(pb::AbortRequest {}, ASSIGN_DEADLINE, Some(&self.token));
-                let _ = w;
-                async move { client.abort(req).await.map(|_| ()).map_err(|s| s.message().to_string()) }
-            })
-            .await;
+    /// Drops whatever replica `dp` staged: each rank's active version after it.
+    pub async fn abort(&self, dp: u32) -> RankResults<String> {
+        self.fan_out_in(Some(dp), |w, mut client| {
+            let req = orchestrator_worker::auth::request(pb::AbortRequest {}, ASSIGN_DEADLINE, Some(&self.token));
+            let label = w.label();
+            async move {
+                client.abort(req).await.map(|r| r.into_inner().checkpoint_version).map_err(|s| format!("{label}: abort: {}", s.message()))
+            }
+        })
+        .await
     }
 
     /// Asks every worker to stop, then kills any that did not.
@@ -665,30 +684,6 @@ impl Cluster {
         for w in &self.workers {
             w.process.stop_within(SHUTDOWN_DEADLINE).await;
         }
-    }
-
-    /// The ranks of replica `dp` whose process is gone, each with how it ended.
-    pub async fn dead_in(&self, dp: u32) -> Vec<String> {
-        let mut dead = Vec::new();
-        for w in self.workers.iter().filter(|w| w.dp == dp) {
-            if let Some(how) = w.process.exited().await {
-                dead.push(format!("{} {how}", w.label()));
-            }
-        }
-        dead
-    }
-
-    /// [`Cluster::dead_in`] after giving a failing process up to a second to finish exiting
-    /// (its connection can break a moment before it is gone).
-    pub async fn dead_in_settled(&self, dp: u32) -> Vec<String> {
-        for _ in 0..20 {
-            let dead = self.dead_in(dp).await;
-            if !dead.is_empty() {
-                return dead;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        self.dead_in(dp).await
     }
 
     /// Kills every worker at once (after a failure).

@@ -32,6 +32,9 @@ pub struct RankRow {
     pub kernel_tensors: BTreeMap<String, String>,
     /// Set when the worker failed (exited, stopped answering, or an RPC failed).
     pub failure: Option<String>,
+    /// Set when the rank answered its report but its probe failed (itself, or its TP group).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub probe_error: Option<String>,
     pub verdict: String,
 }
 
@@ -87,6 +90,7 @@ pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: String) -> RankRow {
         load_seconds: 0.0,
         kernel_tensors: BTreeMap::new(),
         failure: Some(failure),
+        probe_error: None,
         verdict: "FAILED".into(),
     }
 }
@@ -113,7 +117,41 @@ pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> 
         load_seconds: r.load_seconds,
         kernel_tensors: r.kernel_tensors.iter().map(|t| (t.name.clone(), t.digest.clone())).collect(),
         failure: None,
+        probe_error: None,
         verdict: String::new(),
+    }
+}
+
+/// A rank, as findings name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct RankId {
+    pub dp: u32,
+    pub tp: u32,
+}
+
+impl RankId {
+    fn of(r: &RankRow) -> Self {
+        Self { dp: r.dp, tp: r.tp }
+    }
+}
+
+/// One disagreement, as data: the ranks it names, the tensor when one is involved, and the text.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Finding {
+    pub ranks: Vec<RankId>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensor: Option<String>,
+    pub text: String,
+}
+
+impl Finding {
+    fn new(text: String, ranks: impl IntoIterator<Item = RankId>) -> Self {
+        Self { ranks: ranks.into_iter().collect(), tensor: None, text }
+    }
+
+    fn tensor(mut self, name: &str) -> Self {
+        self.tensor = Some(name.to_string());
+        self
     }
 }
 
@@ -122,8 +160,10 @@ pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> 
 pub struct Rule {
     pub rule: String,
     pub ok: bool,
-    /// Each disagreement: ranks, tensor, what differs.
+    /// Each disagreement as text (ranks, tensor, what differs).
     pub findings: Vec<String>,
+    /// The same findings as data; row verdicts are assigned from these, by rank identity.
+    pub details: Vec<Finding>,
 }
 
 /// Everything the report says.
@@ -140,6 +180,9 @@ pub struct ConsistencyReport {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
     pub timings: BTreeMap<String, f64>,
+    /// Each replica's place in the probe rotation, when the cluster is served.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<crate::rotation::ReplicaState>,
 }
 
 fn label(r: &RankRow) -> String {
@@ -151,8 +194,8 @@ fn differing_tensors(a: &RankRow, b: &RankRow) -> Vec<String> {
     a.kernel_tensors.iter().filter(|(n, d)| b.kernel_tensors.get(*n) != Some(d)).map(|(n, _)| n.clone()).collect()
 }
 
-fn rule(name: &str, findings: Vec<String>) -> Rule {
-    Rule { rule: name.to_string(), ok: findings.is_empty(), findings }
+fn rule(name: &str, details: Vec<Finding>) -> Rule {
+    Rule { rule: name.to_string(), ok: details.is_empty(), findings: details.iter().map(|f| f.text.clone()).collect(), details }
 }
 
 /// Applies the cross-rank rules and sets every row's verdict. `golden` holds, per tp rank, the
@@ -173,8 +216,10 @@ pub fn evaluate(
     let live: Vec<&RankRow> = ranks.iter().filter(|r| r.failure.is_none()).collect();
     let mut rules = Vec::new();
 
-    rules
-        .push(rule("every rank answered", ranks.iter().filter_map(|r| r.failure.as_ref().map(|f| format!("{}: {f}", label(r)))).collect()));
+    rules.push(rule(
+        "every rank answered",
+        ranks.iter().filter_map(|r| r.failure.as_ref().map(|f| Finding::new(format!("{}: {f}", label(r)), [RankId::of(r)]))).collect(),
+    ));
 
     // Replicas with the same tp_rank (on the same version) hold identical kernel digests.
     let mut f = Vec::new();
@@ -187,7 +232,14 @@ pub fn evaluate(
             for other in replicas[i + 1..].iter().filter(|r| r.checkpoint_version == first.checkpoint_version) {
                 if other.kernel_rank_digest != first.kernel_rank_digest {
                     let tensors = differing_tensors(first, other);
-                    f.push(format!("{} and {} differ in {}", label(first), label(other), tensors.join(", ")));
+                    let finding = Finding::new(
+                        format!("{} and {} differ in {}", label(first), label(other), tensors.join(", ")),
+                        [RankId::of(first), RankId::of(other)],
+                    );
+                    f.push(match tensors.as_slice() {
+                        [one] => finding.tensor(one),
+                        _ => finding,
+                    });
                 }
             }
         }
@@ -201,7 +253,10 @@ pub fn evaluate(
     if let Some(first) = live.first() {
         for other in &live[1..] {
             if other.geometry_digest != first.geometry_digest {
-                f.push(format!("{} and {} have different layout identities (geometry/format/rule/version)", label(first), label(other)));
+                f.push(Finding::new(
+                    format!("{} and {} have different layout identities (geometry/format/rule/version)", label(first), label(other)),
+                    [RankId::of(first), RankId::of(other)],
+                ));
             }
         }
     }
@@ -211,12 +266,15 @@ pub fn evaluate(
         if let Some(first) = members.first() {
             replica_versions.insert(dp, &first.checkpoint_version);
             for other in members.iter().filter(|r| r.checkpoint_version != first.checkpoint_version) {
-                f.push(format!(
-                    "{} holds checkpoint version {} but {} of its TP group holds {}",
-                    label(other),
-                    other.checkpoint_version,
-                    label(first),
-                    first.checkpoint_version
+                f.push(Finding::new(
+                    format!(
+                        "{} holds checkpoint version {} but {} of its TP group holds {}",
+                        label(other),
+                        other.checkpoint_version,
+                        label(first),
+                        first.checkpoint_version
+                    ),
+                    [RankId::of(other), RankId::of(first)],
                 ));
             }
         }
@@ -227,7 +285,10 @@ pub fn evaluate(
                 notes.push(format!("an update is in flight: replica dp{dp} holds version {v}, replica dp{dp0} holds {v0}"));
             } else {
                 for r in live.iter().filter(|r| r.dp == *dp) {
-                    f.push(format!("{} holds checkpoint version {} but replica dp{dp0} holds {v0}", label(r), r.checkpoint_version));
+                    f.push(Finding::new(
+                        format!("{} holds checkpoint version {} but replica dp{dp0} holds {v0}", label(r), r.checkpoint_version),
+                        [RankId::of(r)],
+                    ));
                 }
             }
         }
@@ -236,7 +297,10 @@ pub fn evaluate(
 
     rules.push(rule(
         "every round trip holds",
-        live.iter().filter(|r| !r.round_trip_ok).map(|r| format!("{}: {}", label(r), r.round_trip_failures.join("; "))).collect(),
+        live.iter()
+            .filter(|r| !r.round_trip_ok)
+            .map(|r| Finding::new(format!("{}: {}", label(r), r.round_trip_failures.join("; ")), [RankId::of(r)]))
+            .collect(),
     ));
 
     let probed: Vec<&&RankRow> = live.iter().filter(|r| r.probe.is_some()).collect();
@@ -248,28 +312,34 @@ pub fn evaluate(
                 .filter_map(|r| {
                     let p = r.probe.as_ref()?;
                     (!p.ok).then(|| {
-                        format!(
-                            "{}: q differs in {} values, z max err {:.3e} abs / {:.3e} rel",
-                            label(r),
-                            p.q_mismatches,
-                            p.z_max_abs_err,
-                            p.z_max_rel_err
+                        Finding::new(
+                            format!(
+                                "{}: q differs in {} values, z max err {:.3e} abs / {:.3e} rel",
+                                label(r),
+                                p.q_mismatches,
+                                p.z_max_abs_err,
+                                p.z_max_rel_err
+                            ),
+                            [RankId::of(r)],
                         )
                     })
                 })
                 .collect(),
         ));
         let mut f = Vec::new();
-        let mut group_y: BTreeMap<u32, String> = BTreeMap::new();
+        let mut group_y: BTreeMap<u32, (String, Vec<RankId>)> = BTreeMap::new();
         for dp in 0..dp_size {
             let members: Vec<&&&RankRow> = probed.iter().filter(|r| r.dp == dp).collect();
             if let Some(first) = members.first() {
                 let y = &first.probe.as_ref().expect("probed").y_digest;
-                group_y.insert(dp, y.clone());
+                group_y.insert(dp, (y.clone(), members.iter().map(|r| RankId::of(r)).collect()));
                 for other in &members[1..] {
                     let oy = &other.probe.as_ref().expect("probed").y_digest;
                     if oy != y {
-                        f.push(format!("{} has y {} but {} has y {}", label(other), oy, label(first), y));
+                        f.push(Finding::new(
+                            format!("{} has y {} but {} has y {}", label(other), oy, label(first), y),
+                            [RankId::of(other), RankId::of(first)],
+                        ));
                     }
                 }
             }
@@ -277,14 +347,14 @@ pub fn evaluate(
         rules.push(rule("every rank of a TP group has the same y", f));
         // Replicas on the same version compute the same y (different weights give different y).
         let mut f = Vec::new();
-        for (i, (dp0, y0)) in group_y.iter().enumerate() {
+        for (i, (dp0, (y0, _))) in group_y.iter().enumerate() {
             let v0 = replica_versions.get(dp0);
             if group_y.iter().take(i).any(|(dp, _)| replica_versions.get(dp) == v0) {
                 continue;
             }
-            for (dp, y) in group_y.iter().skip(i + 1).filter(|(dp, _)| replica_versions.get(dp) == v0) {
+            for (dp, (y, members)) in group_y.iter().skip(i + 1).filter(|(dp, _)| replica_versions.get(dp) == v0) {
                 if y != y0 {
-                    f.push(format!("replica dp{dp} has y {y} but replica dp{dp0} has y {y0}"));
+                    f.push(Finding::new(format!("replica dp{dp} has y {y} but replica dp{dp0} has y {y0}"), members.iter().copied()));
                 }
             }
         }
@@ -298,22 +368,33 @@ pub fn evaluate(
             for (name, d) in want {
                 match r.kernel_tensors.get(name) {
                     Some(got) if got == d => {}
-                    Some(got) => f.push(format!("{}: tensor {name} has {got}, the golden recomputation gives {d}", label(r))),
-                    None => f.push(format!("{}: tensor {name} missing", label(r))),
+                    Some(got) => f.push(
+                        Finding::new(format!("{}: tensor {name} has {got}, the golden recomputation gives {d}", label(r)), [RankId::of(r)])
+                            .tensor(name),
+                    ),
+                    None => f.push(Finding::new(format!("{}: tensor {name} missing", label(r)), [RankId::of(r)]).tensor(name)),
                 }
             }
         }
         rules.push(rule("kernel digests equal the coordinator's golden recomputation", f));
     }
 
-    // Row verdicts: a rank fails when it failed, its round trip or probe failed, or a rule names it.
+    // A rank whose report came but whose probe did not.
+    rules.push(rule(
+        "every probe ran",
+        live.iter().filter_map(|r| r.probe_error.as_ref().map(|e| Finding::new(format!("{}: {e}", label(r)), [RankId::of(r)]))).collect(),
+    ));
+
+    // Row verdicts: a rank fails when it failed, its round trip or probe failed, or a finding
+    // names it (by identity, never by matching text).
     for r in &mut ranks {
-        let named = rules.iter().any(|rule| rule.findings.iter().any(|f| f.contains(&label(r))));
-        let bad = r.failure.is_some() || !r.round_trip_ok || r.probe.as_ref().is_some_and(|p| !p.ok) || named;
+        let id = RankId::of(r);
+        let named = rules.iter().any(|rule| rule.details.iter().any(|f| f.ranks.contains(&id)));
+        let bad = r.failure.is_some() || !r.round_trip_ok || r.probe.as_ref().is_some_and(|p| !p.ok) || r.probe_error.is_some() || named;
         r.verdict = if bad { "FAIL".into() } else { "ok".into() };
     }
     let ok = rules.iter().all(|r| r.ok) && ranks.iter().all(|r| r.verdict == "ok");
-    ConsistencyReport { ok, tp_size, dp_size, source, ranks, rules, notes, timings }
+    ConsistencyReport { ok, tp_size, dp_size, source, ranks, rules, notes, timings, replicas: Vec::new() }
 }
 
 impl ConsistencyReport {
@@ -353,6 +434,12 @@ impl ConsistencyReport {
                 if r.staged_version.is_empty() { String::new() } else { format!(" (staged {})", r.staged_version) },
                 r.failure.as_ref().map(|f| format!(" ({f})")).unwrap_or_default()
             );
+        }
+        for (dp, r) in self.replicas.iter().enumerate() {
+            if let Some(out) = &r.out {
+                let pending = r.pending_commit.as_ref().map(|v| format!(" (commit to {v} pending)")).unwrap_or_default();
+                let _ = writeln!(s, "replica dp{dp}: out of rotation{pending}: {out}");
+            }
         }
         for rule in &self.rules {
             let _ = writeln!(s, "[{}] {}", if rule.ok { " ok " } else { "FAIL" }, rule.rule);

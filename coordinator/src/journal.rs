@@ -30,6 +30,33 @@ pub enum JournalError {
     Corrupt { file: PathBuf, line: usize, message: String },
     #[error("{file}: {message}")]
     Invalid { file: PathBuf, message: String },
+    /// Another coordinator holds the state directory (it is alive): nothing was changed.
+    #[error("state directory {dir} is held by a running coordinator ({holder}); nothing was changed")]
+    Locked { dir: PathBuf, holder: String },
+}
+
+/// The lock file a coordinator holds (an exclusive advisory lock) for as long as it runs on a
+/// state directory, so a second `launch` or `recover` on the same directory is refused before
+/// it changes anything. The lock goes away with the process, however it ends.
+pub const LOCK_FILE: &str = "lock";
+
+/// Takes the state directory's lock, or says who holds it.
+fn lock_dir(dir: &Path) -> Result<File, JournalError> {
+    let io = |source| JournalError::Io { dir: dir.to_path_buf(), source };
+    let path = dir.join(LOCK_FILE);
+    let mut file = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&path).map_err(io)?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            let holder = if holder.trim().is_empty() { "pid unknown".to_string() } else { holder.trim().to_string() };
+            return Err(JournalError::Locked { dir: dir.to_path_buf(), holder });
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
+    }
+    file.set_len(0).map_err(io)?;
+    file.write_all(format!("coordinator pid {}\n", std::process::id()).as_bytes()).map_err(io)?;
+    Ok(file)
 }
 
 /// What the workers load: a checkpoint directory or generated weights.
@@ -68,11 +95,31 @@ pub struct WorkerRecord {
     /// The worker's gRPC address (`http://host:port`).
     pub address: String,
     pub pid: u32,
+    /// The rest of the process's identity (see `ProcessIdentity`): a restarted coordinator
+    /// signals the pid only while these still match.
+    #[serde(default)]
+    pub start_ticks: u64,
+    #[serde(default)]
+    pub boot_id: String,
+    #[serde(default)]
+    pub executable: PathBuf,
     /// Its collective (ring) listener.
     pub collective: String,
     /// GPU workers: the NCCL unique id of the group (hex; empty on CPU workers).
     #[serde(default)]
     pub nccl_unique_id: String,
+}
+
+impl WorkerRecord {
+    /// The worker's process identity as recorded.
+    pub fn identity(&self) -> orchestrator_worker::process::ProcessIdentity {
+        orchestrator_worker::process::ProcessIdentity {
+            pid: self.pid,
+            start_ticks: self.start_ticks,
+            boot_id: self.boot_id.clone(),
+            executable: self.executable.clone(),
+        }
+    }
 }
 
 /// Lower-case hex of bytes.
@@ -108,6 +155,9 @@ pub struct PlanRecord {
     pub workers: Vec<WorkerRecord>,
     /// The version every replica loaded.
     pub version: String,
+    /// The directories the workers may read checkpoints from.
+    #[serde(default)]
+    pub allow_roots: Vec<PathBuf>,
 }
 
 /// A step of a rolling update on one replica.
@@ -118,9 +168,13 @@ pub enum Step {
     Staging,
     /// Staged and verified on every rank.
     Verified,
+    /// The commit decision, written before any rank is told to swap: from here on the replica's
+    /// version is the new one and the commit is driven to every rank (never aborted).
+    Decided,
     /// Every rank swapped to the new version.
     Committed,
-    /// The staged version was dropped; the replica kept its version.
+    /// The abort decision (only ever before `decided`), written before any rank is told to drop
+    /// what it staged; the replica keeps its version.
     Aborted,
 }
 
@@ -145,6 +199,12 @@ pub enum Event {
         update: u64,
         ok: bool,
         note: String,
+    },
+    /// A commit decided in an update that has ended was confirmed by every rank of the replica
+    /// later (a rank that had stalled answered again; or `recover` finished it).
+    CommitConfirmed {
+        dp: u32,
+        version: String,
     },
     /// A restarted coordinator took over the cluster.
     Recovered {
@@ -185,6 +245,8 @@ pub struct Replayed {
     pub pending: Option<PendingUpdate>,
     pub shut_down: bool,
     pub last_update: u64,
+    /// Replicas with a commit decision that no confirmation followed: replica -> decided version.
+    pub decided: BTreeMap<u32, String>,
     /// A torn last line was ignored.
     pub torn_tail: bool,
     /// Complete lines, and the bytes they take (where appending resumes).
@@ -196,6 +258,8 @@ pub struct Replayed {
 pub struct Journal {
     path: PathBuf,
     file: Mutex<(File, u64)>,
+    /// The state directory's lock, held for the journal's life.
+    _lock: File,
 }
 
 impl Journal {
@@ -204,6 +268,7 @@ impl Journal {
     pub fn create(dir: &Path) -> Result<Self, JournalError> {
         let io = |source| JournalError::Io { dir: dir.to_path_buf(), source };
         std::fs::create_dir_all(dir).map_err(io)?;
+        let lock = lock_dir(dir)?;
         let path = dir.join(JOURNAL_FILE);
         if path.exists() {
             let replayed = replay(&path)?;
@@ -222,11 +287,13 @@ impl Journal {
             std::fs::remove_file(&path).map_err(io)?;
         }
         let file = OpenOptions::new().create_new(true).append(true).open(&path).map_err(io)?;
-        Ok(Self { path, file: Mutex::new((file, 0)) })
+        Ok(Self { path, file: Mutex::new((file, 0)), _lock: lock })
     }
 
     /// Opens an existing journal to append to, after replaying it.
     pub fn open(dir: &Path) -> Result<(Self, Replayed), JournalError> {
+        // First: a directory a live coordinator holds is left exactly as it is.
+        let lock = lock_dir(dir)?;
         let path = dir.join(JOURNAL_FILE);
         let replayed = replay(&path)?.ok_or_else(|| JournalError::Invalid {
             file: path.clone(),
@@ -238,7 +305,7 @@ impl Journal {
             // Drop the torn tail so the next line starts clean.
             file.set_len(replayed.complete_bytes).map_err(io)?;
         }
-        Ok((Self { path, file: Mutex::new((file, replayed.lines)) }, replayed))
+        Ok((Self { path, file: Mutex::new((file, replayed.lines)), _lock: lock }, replayed))
     }
 
     pub fn path(&self) -> &Path {
@@ -301,6 +368,7 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                     pending: None,
                     shut_down: false,
                     last_update: 0,
+                    decided: BTreeMap::new(),
                     torn_tail: false,
                     lines: 0,
                     complete_bytes: 0,
@@ -320,6 +388,15 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                     Event::UpdateStep { update, dp, step } => match &mut s.pending {
                         Some(p) if p.update == update && dp < s.plan.dp => {
                             p.steps.insert(dp, step);
+                            match step {
+                                Step::Decided => {
+                                    s.decided.insert(dp, p.new_version.clone());
+                                }
+                                Step::Committed => {
+                                    s.decided.remove(&dp);
+                                }
+                                Step::Staging | Step::Verified | Step::Aborted => {}
+                            }
                         }
                         _ => return Err(corrupt(format!("a step of update {update} (replica dp{dp}) outside that update"))),
                     },
@@ -332,6 +409,12 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                         }
                         _ => return Err(corrupt(format!("update {update} ends without having begun"))),
                     },
+                    Event::CommitConfirmed { dp, version } => {
+                        if s.decided.get(&dp) != Some(&version) {
+                            return Err(corrupt(format!("replica dp{dp} confirms a commit to {version} that was not decided")));
+                        }
+                        s.decided.remove(&dp);
+                    }
                     Event::Recovered { .. } => s.shut_down = false,
                     Event::Shutdown => s.shut_down = true,
                 }
@@ -370,9 +453,13 @@ mod tests {
                     pid: 100 + id,
                     collective: format!("127.0.0.1:{}", 7000 + id),
                     nccl_unique_id: if id % 2 == 0 { to_hex(&[0, 1, 0xfe, 0xff]) } else { String::new() },
+                    start_ticks: 1000 + u64::from(id),
+                    boot_id: "boot".into(),
+                    executable: "/usr/bin/orchestrator-worker".into(),
                 })
                 .collect(),
             version: "va".into(),
+            allow_roots: vec!["/ck".into()],
         }
     }
 
@@ -423,6 +510,49 @@ mod tests {
         assert!(matches!(e, JournalError::Invalid { .. }) && e.to_string().contains("orchestrator recover"), "{e}");
     }
 
+    /// A commit decision outlives the update that made it until a confirmation follows, in that
+    /// update or after it; a confirmation of an undecided commit is corruption.
+    #[test]
+    fn commit_decisions_are_replayed_until_confirmed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        j.record(Event::Launched(plan())).unwrap();
+        j.record(begin(1)).unwrap();
+        for (dp, step) in [(0, Step::Staging), (0, Step::Verified), (0, Step::Decided), (0, Step::Committed), (1, Step::Staging)] {
+            j.record(Event::UpdateStep { update: 1, dp, step }).unwrap();
+        }
+        assert!(replay(j.path()).unwrap().unwrap().decided.is_empty());
+        j.record(Event::UpdateStep { update: 1, dp: 1, step: Step::Verified }).unwrap();
+        j.record(Event::UpdateStep { update: 1, dp: 1, step: Step::Decided }).unwrap();
+        assert_eq!(replay(j.path()).unwrap().unwrap().decided, BTreeMap::from([(1, "vb".to_string())]));
+        // The update ends with dp1's commit unconfirmed (a rank stalled): the decision stays.
+        j.record(Event::UpdateEnd { update: 1, ok: false, note: "dp1: commit pending".into() }).unwrap();
+        let r = replay(j.path()).unwrap().unwrap();
+        assert_eq!((r.pending.as_ref(), r.decided.get(&1).map(String::as_str)), (None, Some("vb")));
+        j.record(Event::CommitConfirmed { dp: 1, version: "vb".into() }).unwrap();
+        assert!(replay(j.path()).unwrap().unwrap().decided.is_empty());
+        j.record(Event::CommitConfirmed { dp: 0, version: "vb".into() }).unwrap();
+        let e = replay(j.path()).unwrap_err();
+        assert!(matches!(e, JournalError::Corrupt { line: 12, .. }), "{e}");
+    }
+
+    /// While a coordinator holds the state directory, neither a new launch nor a recovery may
+    /// touch it; once it is gone, the directory opens again.
+    #[test]
+    fn a_held_state_directory_is_refused_untouched() {
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        j.record(Event::Launched(plan())).unwrap();
+        let before = std::fs::read(j.path()).unwrap();
+        assert!(matches!(Journal::open(tmp.path()), Err(JournalError::Locked { .. })));
+        let e = Journal::create(tmp.path()).err().unwrap();
+        assert!(matches!(&e, JournalError::Locked { holder, .. } if holder.contains(&std::process::id().to_string())), "{e}");
+        assert_eq!(std::fs::read(j.path()).unwrap(), before);
+        drop(j);
+        let (_j, r) = Journal::open(tmp.path()).unwrap();
+        assert_eq!(r.plan, plan());
+    }
+
     #[test]
     fn a_torn_last_line_is_dropped_and_appending_goes_on() {
         let tmp = tempfile::tempdir().unwrap();
@@ -447,6 +577,7 @@ mod tests {
         let mut f = OpenOptions::new().append(true).open(&path).unwrap();
         f.write_all(br#"{"seq":4,"unix_ms":1,"event":"shutdown"}"#).unwrap();
         drop(f);
+        drop(j);
         let (j, r) = Journal::open(tmp.path()).unwrap();
         assert!(r.torn_tail && !r.shut_down);
         j.record(Event::Shutdown).unwrap();
@@ -487,6 +618,7 @@ mod tests {
         }
         // An update step outside any update.
         std::fs::write(&path, &text).unwrap();
+        drop(j);
         let (j, _) = Journal::open(tmp.path()).unwrap();
         j.record(Event::UpdateStep { update: 9, dp: 0, step: Step::Staging }).unwrap();
         assert!(matches!(replay(&path), Err(JournalError::Corrupt { line: 4, .. })));

@@ -19,9 +19,11 @@ use orchestrator_worker::probe::ProbeSpec;
 
 pub use crate::cluster::WorkerDevice;
 use crate::cluster::{Cluster, Failures};
-use crate::consistency::{ConsistencyReport, evaluate, failed_row, row};
+use crate::consistency::{ConsistencyReport, evaluate, failed_row};
 use crate::journal::{Event, Journal, PlanRecord, SourceRecord};
+use crate::rotation::Rotation;
 use crate::server::Endpoint;
+use crate::session::{Session, SessionState};
 
 /// Layers of the built-in default checkpoint.
 pub const DEFAULT_LAYERS: usize = 4;
@@ -48,8 +50,10 @@ pub struct LaunchPlan {
     pub token: Token,
     pub token_file: PathBuf,
     pub token_generated: bool,
-    /// Directories workers may read checkpoints from.
+    /// Directories workers may read checkpoints from (and the same, checked by the coordinator
+    /// before an update touches any replica).
     pub allow_roots: Vec<PathBuf>,
+    pub roots: orchestrator_worker::auth::AllowedRoots,
     /// The journal of the plan, the workers and every update step (`--state-dir`).
     pub journal: Option<Arc<Journal>>,
     /// How long workers keep serving while the coordinator is unreachable.
@@ -88,96 +92,6 @@ pub fn default_checkpoint() -> anyhow::Result<PathBuf> {
         // Another launch may have written it meanwhile.
         Err(_) if dir.join(orchestrator_model::checkpoint::INDEX_FILE).exists() => Ok(dir),
         Err(e) => Err(e.into()),
-    }
-}
-
-/// A cluster that is up, and what is needed to check it again.
-pub struct Session {
-    pub cluster: Arc<Cluster>,
-    /// Which replicas serve routed probes, and their versions.
-    pub rotation: Arc<crate::update::Rotation>,
-    /// The running plan's configuration (an update must match it).
-    pub config: orchestrator_model::ModelConfig,
-    pub source_desc: String,
-    pub probe: Option<ProbeSpec>,
-    pub golden: Option<BTreeMap<u32, BTreeMap<String, String>>>,
-    pub load_seconds: BTreeMap<u32, f64>,
-    pub timings: BTreeMap<String, f64>,
-    /// Where updates are journaled (`--state-dir`).
-    pub journal: Option<Arc<Journal>>,
-    /// The source every replica serves (outside updates), and the last update's number.
-    pub current_source: SourceRecord,
-    pub last_update: u64,
-    /// Set while a rolling update runs (replicas may then hold different versions).
-    pub updating: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Session {
-    /// Probes (when configured and asked) and collects every rank's report, then applies the
-    /// cross-rank rules. A failed worker becomes a failed row naming it.
-    pub async fn check(&mut self, probe: bool) -> ConsistencyReport {
-        let mut failures: BTreeMap<u32, String> = BTreeMap::new();
-        let mut probes = BTreeMap::new();
-        let t = Instant::now();
-        if let (Some(spec), true) = (self.probe, probe) {
-            match self.cluster.probe(spec.tokens as u32, spec.latents as u32, spec.seed).await {
-                Ok(results) => {
-                    for (id, r) in results {
-                        match r {
-                            Ok(p) => {
-                                probes.insert(id, p);
-                            }
-                            Err(e) => {
-                                failures.insert(id, e);
-                            }
-                        }
-                    }
-                }
-                Err(f) => failures.extend(f),
-            }
-            self.timings.insert("probe".into(), t.elapsed().as_secs_f64());
-        }
-        let t = Instant::now();
-        let mut rows = Vec::new();
-        match self.cluster.reports().await {
-            Ok(results) => {
-                for w in &self.cluster.workers {
-                    match (results.get(&w.id), failures.get(&w.id)) {
-                        (_, Some(f)) => rows.push(failed_row(w.id, w.dp, w.tp, f.clone())),
-                        (Some(Ok(r)), None) => {
-                            let mut rr = row(w.id, r, probes.get(&w.id));
-                            if let Some(s) = self.load_seconds.get(&w.id) {
-                                rr.load_seconds = *s;
-                            }
-                            rows.push(rr);
-                        }
-                        (Some(Err(e)), None) => rows.push(failed_row(w.id, w.dp, w.tp, e.clone())),
-                        (None, None) => rows.push(failed_row(w.id, w.dp, w.tp, "no report".into())),
-                    }
-                }
-            }
-            Err(f) => {
-                let f: BTreeMap<u32, String> = f.into_iter().collect();
-                for w in &self.cluster.workers {
-                    rows.push(failed_row(
-                        w.id,
-                        w.dp,
-                        w.tp,
-                        f.get(&w.id).cloned().unwrap_or_else(|| "report interrupted by another rank's failure".into()),
-                    ));
-                }
-            }
-        }
-        self.timings.insert("report".into(), t.elapsed().as_secs_f64());
-        evaluate(
-            self.cluster.tp,
-            self.cluster.dp,
-            self.source_desc.clone(),
-            rows,
-            self.golden.as_ref(),
-            self.timings.clone(),
-            self.updating.load(std::sync::atomic::Ordering::SeqCst),
-        )
     }
 }
 
@@ -265,15 +179,12 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     let t = Instant::now();
     let loaded = cluster.load().await;
     timings.insert("load".into(), t.elapsed().as_secs_f64());
-    let failures = match loaded {
-        Ok(results) => {
-            let failures: Failures = results.iter().filter_map(|(id, r)| r.as_ref().err().map(|e| (*id, e.clone()))).collect();
-            if !failures.is_empty() {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            failures.is_empty().then(|| results.into_iter().filter_map(|(id, r)| r.ok().map(|s| (id, s))).collect()).ok_or(failures)
+    let failures = {
+        let failures: Failures = loaded.iter().filter_map(|(id, r)| r.as_ref().err().map(|e| (*id, e.clone()))).collect();
+        if !failures.is_empty() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        Err(f) => Err(f),
+        failures.is_empty().then(|| loaded.into_iter().filter_map(|(id, r)| r.ok().map(|s| (id, s))).collect()).ok_or(failures)
     };
     let load_seconds = match failures {
         Ok(seconds) => seconds,
@@ -305,31 +216,30 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
             tls_dir: plan.tls.as_ref().map(|t| t.dir.clone()),
             workers: cluster.records(),
             version: version.clone(),
+            allow_roots: plan.allow_roots.clone(),
         }))?;
     }
-    let rotation = Arc::new(crate::update::Rotation::new(vec![version; plan.dp as usize]));
-    let mut session = Session {
+    let rotation = Arc::new(Rotation::new(vec![version; plan.dp as usize]));
+    let session = Session {
         cluster: Arc::new(cluster),
         rotation,
         config: plan.local_source.config().clone(),
-        source_desc: plan.source_desc.clone(),
         probe: plan.probe,
         golden,
         load_seconds,
-        timings,
         journal: plan.journal.clone(),
-        current_source,
-        last_update: 0,
+        roots: plan.roots.clone(),
         updating: Default::default(),
+        update_lock: Default::default(),
+        state: std::sync::Mutex::new(SessionState { source_desc: plan.source_desc.clone(), current_source, last_update: 0, timings }),
     };
-    let report = session.check(true).await;
-    session.timings.insert("total".into(), start.elapsed().as_secs_f64());
-    let mut report = report;
-    report.timings = session.timings.clone();
+    let mut report = session.check(true).await;
+    report.timings.insert("total".into(), start.elapsed().as_secs_f64());
+    session.state().timings = report.timings.clone();
     emit_report(&report);
 
     if serve {
-        endpoint.serve(session, &plan.token_file).await;
+        endpoint.serve(Arc::new(session), &plan.token_file).await;
     } else {
         session.cluster.shutdown().await;
         if let Some(j) = &session.journal {

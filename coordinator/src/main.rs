@@ -6,8 +6,11 @@ mod consistency;
 mod journal;
 mod launch;
 mod recover;
+mod rollout;
+mod rotation;
 mod server;
 mod service;
+mod session;
 mod update;
 
 use std::path::PathBuf;
@@ -361,7 +364,9 @@ fn parse_fault(s: &str, workers: u32) -> anyhow::Result<(u32, orchestrator_proto
 
 fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
     use orchestrator_proto::v1 as pb;
-    anyhow::ensure!(a.dp >= 1, "--dp must be at least 1");
+    // Every size is checked before anything is opened, allocated or started.
+    orchestrator_model::limits::check_cluster(a.tp as usize, a.dp as usize, true)
+        .map_err(|e| anyhow::anyhow!("--tp {} --dp {}: {e}", a.tp, a.dp))?;
     let device = match a.device {
         Device::Cpu => launch::WorkerDevice::Cpu,
         // Fail before starting anything when CUDA cannot work here.
@@ -451,6 +456,7 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
         token,
         token_file,
         token_generated,
+        roots: orchestrator_worker::auth::AllowedRoots::new(&allow_roots)?,
         allow_roots,
         journal,
         worker_grace,

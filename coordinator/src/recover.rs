@@ -20,10 +20,14 @@ use orchestrator_worker::probe::ProbeSpec;
 
 use crate::cluster::Cluster;
 use crate::consistency::ConsistencyReport;
-use crate::journal::{Event, Journal, Replayed, SourceRecord};
-use crate::launch::{Session, TokenFileGuard};
+use crate::journal::{Event, Journal, Replayed, SourceRecord, Step};
+use crate::launch::TokenFileGuard;
+use crate::rollout::CommitStatus;
+use crate::rotation::Rotation;
 use crate::server::Endpoint;
-use crate::update::{Rotation, UpdatePlan, rolling_update};
+use crate::session::{Session, SessionState};
+use crate::update::{UpdatePlan, drive_commit, rolling_update};
+use orchestrator_worker::auth::AllowedRoots;
 
 /// How a recovery resolves an interrupted update.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,17 +57,8 @@ struct Observed {
 
 async fn observe(cluster: &Cluster) -> Observed {
     let mut o = Observed { versions: Vec::new(), unreachable: BTreeMap::new(), lines: Vec::new() };
+    let reports = cluster.reports().await;
     for dp in 0..cluster.dp {
-        let reports = match cluster.reports_in(Some(dp), false).await {
-            Ok(r) => r,
-            Err(f) => {
-                let why = f.into_iter().map(|(_, e)| e).collect::<Vec<_>>().join("; ");
-                o.lines.push(format!("replica dp{dp}: {why}"));
-                o.unreachable.insert(dp, why);
-                o.versions.push(None);
-                continue;
-            }
-        };
         let mut seen: Vec<String> = Vec::new();
         for w in cluster.workers.iter().filter(|w| w.dp == dp) {
             match reports.get(&w.id) {
@@ -88,6 +83,37 @@ async fn observe(cluster: &Cluster) -> Observed {
     o
 }
 
+/// Finishes every commit the journal shows decided and unconfirmed (never aborting one), and
+/// drops whatever else the dead coordinator staged, so nothing unverified can be swapped in.
+async fn settle_decisions(cluster: &Cluster, rotation: &Rotation, journal: &Journal, replayed: &Replayed, steps: &mut Vec<String>) {
+    for dp in 0..cluster.dp {
+        match crate::rollout::recovery(replayed.decided.get(&dp).map(String::as_str)) {
+            crate::rollout::Recovery::AbortStaged => {
+                cluster.abort(dp).await;
+            }
+            crate::rollout::Recovery::FinishCommit { version } => {
+                match drive_commit(cluster, dp, &version, orchestrator_proto::limits::COMMIT_DRIVE_LIMIT).await {
+                    CommitStatus::Done => {
+                        let in_pending = replayed.pending.as_ref().is_some_and(|p| p.steps.get(&dp) == Some(&Step::Decided));
+                        let event = match &replayed.pending {
+                            Some(p) if in_pending => Event::UpdateStep { update: p.update, dp, step: Step::Committed },
+                            _ => Event::CommitConfirmed { dp, version: version.clone() },
+                        };
+                        journal.note(event);
+                        steps.push(format!("replica dp{dp}: finished the decided commit to {version} on every rank"));
+                    }
+                    other => {
+                        let why = format!("the decided commit to {version} cannot finish now: {other:?}");
+                        rotation.pull(dp, &why);
+                        rotation.set_pending_commit(dp, Some(version.clone()));
+                        steps.push(format!("replica dp{dp}: {why}; out of rotation until every rank confirms it"));
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Resolves the update the journal left in flight: whether it resolved, the source every
 /// replica now serves, the last update number, and the steps taken.
 #[allow(clippy::too_many_arguments)]
@@ -100,8 +126,9 @@ async fn resolve(
     probe: ProbeSpec,
     how: Resolve,
     observed: &Observed,
+    roots: &AllowedRoots,
+    mut steps: Vec<String>,
 ) -> anyhow::Result<(bool, SourceRecord, u64, Vec<String>)> {
-    let mut steps = Vec::new();
     let Some(pending) = &replayed.pending else {
         if how == Resolve::Rollback {
             steps.push("no update was in flight: nothing to roll back".into());
@@ -124,17 +151,14 @@ async fn resolve(
             pending.steps.iter().map(|(dp, s)| format!("dp{dp} {s:?}")).collect::<Vec<_>>().join(", ")
         }
     ));
-    // Nothing staged by the dead coordinator may be swapped in.
-    for dp in 0..cluster.dp {
-        cluster.abort(dp).await;
-    }
     // A replica with a rank that does not answer cannot be staged: it stays out of rotation.
     for (dp, why) in &observed.unreachable {
         steps.push(format!("replica dp{dp}: left out of rotation, a rank does not answer: {why}"));
     }
-    let complete = observed.unreachable.is_empty();
+    let complete = observed.unreachable.is_empty() && rotation.states().iter().all(|s| s.pending_commit.is_none());
     let behind: Vec<u32> = (0..cluster.dp)
         .filter(|dp| !observed.unreachable.contains_key(dp))
+        .filter(|&dp| rotation.state(dp).pending_commit.is_none())
         .filter(|&dp| observed.versions[dp as usize].as_deref() != Some(target_version.as_str()))
         .collect();
     if behind.is_empty() {
@@ -162,6 +186,7 @@ async fn resolve(
         max_unavailable: pending.max_unavailable,
         replicas: Some(behind.clone()),
         journal: Some((journal, pending.update + 1, from)),
+        roots,
     };
     let outcome = rolling_update(cluster, rotation, config, plan).await;
     steps.push(format!("update {}: replicas {behind:?} to {} ({verb})", pending.update + 1, dir.display()));
@@ -169,7 +194,9 @@ async fn resolve(
     Ok((outcome.ok && complete, if outcome.ok { target } else { replayed.current.clone() }, pending.update + 1, steps))
 }
 
-/// Runs a recovery, then serves; returns whether the final report is clean.
+/// Runs a recovery, then serves; returns whether the final report is clean. A state directory
+/// whose coordinator is alive is refused before anything is touched (its lock is held); the
+/// token file is taken over only once this coordinator listens where the old one did.
 pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&ConsistencyReport)) -> anyhow::Result<bool> {
     let start = Instant::now();
     let (journal, replayed) = Journal::open(state_dir)?;
@@ -181,11 +208,12 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
     let journal = Arc::new(journal);
     let plan = replayed.plan.clone();
     let token = Token::read(&plan.token_file)?;
-    let _token_file = TokenFileGuard(plan.token_file.starts_with(state_dir).then(|| plan.token_file.clone()));
     let listen =
         plan.coordinator.parse().with_context(|| format!("{}: coordinator address {}", journal.path().display(), plan.coordinator))?;
     let tls = plan.tls_dir.as_deref().map(orchestrator_worker::tls::TlsFiles::load).transpose()?;
+    let roots = AllowedRoots::new(&plan.allow_roots)?;
     let endpoint = Endpoint::start(listen, token.clone(), tls.as_ref()).await?;
+    let _token_file = TokenFileGuard(plan.token_file.starts_with(state_dir).then(|| plan.token_file.clone()));
     eprintln!("coordinator recovered from {} on {}; adopting {} workers", journal.path().display(), endpoint.address, plan.workers.len());
     let cluster = match Cluster::adopt(plan.tp, plan.dp, &plan.workers, endpoint.registry.clone(), token, tls).await {
         Ok(c) => c,
@@ -198,17 +226,25 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
         }
     };
     journal.record(Event::Recovered { note: format!("coordinator pid {} took over", std::process::id()) })?;
+    let rotation = Arc::new(Rotation::new(vec![String::new(); plan.dp as usize]));
+    let mut steps = Vec::new();
+    settle_decisions(&cluster, &rotation, &journal, &replayed, &mut steps).await;
     let observed = observe(&cluster).await;
     for line in &observed.lines {
         eprintln!("  {line}");
     }
-    let rotation = Arc::new(Rotation::observed(observed.versions.clone()));
+    for (dp, v) in observed.versions.iter().enumerate() {
+        match v {
+            Some(v) if rotation.state(dp as u32).pending_commit.is_none() => rotation.reinstate(dp as u32, v, true),
+            _ => rotation.pull(dp as u32, "its ranks did not agree on one version"),
+        };
+    }
     let source = open_source(&replayed.current)?;
     let config = source.config().clone();
     let probe = plan.probe.map(|(tokens, latents, seed)| ProbeSpec { tokens: tokens as usize, latents: latents as usize, seed });
-    let update_probe = probe.unwrap_or(ProbeSpec { tokens: 2, latents: 16, seed: 0 });
+    let update_probe = probe.unwrap_or(crate::session::DEFAULT_UPDATE_PROBE);
     let (resolved, current_source, last_update, steps) =
-        resolve(&cluster, &rotation, &journal, &replayed, &config, update_probe, how, &observed).await?;
+        resolve(&cluster, &rotation, &journal, &replayed, &config, update_probe, how, &observed, &roots, steps).await?;
     for step in &steps {
         eprintln!("recover: {step}");
     }
@@ -216,19 +252,18 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
         SourceRecord::Checkpoint { dir } => format!("checkpoint {}", dir.display()),
         SourceRecord::Dummy { .. } => plan.source_desc.clone(),
     };
-    let mut session = Session {
+    let session = Session {
         cluster: Arc::new(cluster),
         rotation,
         config,
-        source_desc,
         probe,
         golden: None,
         load_seconds: BTreeMap::new(),
-        timings: BTreeMap::new(),
         journal: Some(journal),
-        current_source,
-        last_update,
+        roots,
         updating: Default::default(),
+        update_lock: Default::default(),
+        state: std::sync::Mutex::new(SessionState { source_desc, current_source, last_update, timings: BTreeMap::new() }),
     };
     let mut report = session.check(true).await;
     report.timings.insert("recover".into(), start.elapsed().as_secs_f64());
@@ -236,7 +271,7 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
     if !resolved {
         eprintln!("recover: the interrupted update could not be resolved (see above); the cluster serves what each replica holds");
     }
-    endpoint.serve(session, &plan.token_file).await;
+    endpoint.serve(Arc::new(session), &plan.token_file).await;
     endpoint.stop().await;
     Ok(resolved && report.ok)
 }

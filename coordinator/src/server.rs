@@ -12,8 +12,8 @@ use tokio::sync::Notify;
 
 use crate::cluster::Registry;
 use crate::journal::Event;
-use crate::launch::Session;
-use crate::service::CoordinatorService;
+use crate::service::{CoordinatorService, SessionSlot};
+use crate::session::{Session, health_loop};
 
 /// A running Coordinator service.
 pub struct Endpoint {
@@ -23,7 +23,7 @@ pub struct Endpoint {
     pub tls: Option<TlsFiles>,
     pub registry: Arc<Registry>,
     /// The session `report`, `update` and probes act on, once the cluster is up.
-    pub session: Arc<tokio::sync::Mutex<Option<Session>>>,
+    pub session: SessionSlot,
     /// Notified by the Shutdown RPC.
     pub shutdown: Arc<Notify>,
     stop: Arc<Notify>,
@@ -34,14 +34,9 @@ impl Endpoint {
     /// Binds `listen` and serves the Coordinator service, requiring `token` on every call.
     pub async fn start(listen: SocketAddr, token: Token, tls: Option<&TlsFiles>) -> anyhow::Result<Self> {
         let registry = Arc::new(Registry::default());
-        let session = Arc::new(tokio::sync::Mutex::new(None));
+        let session: SessionSlot = Default::default();
         let shutdown = Arc::new(Notify::new());
-        let service = CoordinatorService {
-            registry: registry.clone(),
-            session: session.clone(),
-            shutdown: shutdown.clone(),
-            update_lock: Default::default(),
-        };
+        let service = CoordinatorService { registry: registry.clone(), session: session.clone(), shutdown: shutdown.clone() };
         let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| anyhow::anyhow!("coordinator: binding {listen}: {e}"))?;
         let address = listener.local_addr()?;
         let router = orchestrator_worker::grpc::standard_router::<CoordinatorServer<CoordinatorService>>(tls).await?;
@@ -51,7 +46,7 @@ impl Endpoint {
             tokio::spawn(
                 router
                     .add_service(tonic::service::interceptor::InterceptedService::new(
-                        CoordinatorServer::new(service).max_decoding_message_size(16 << 20),
+                        CoordinatorServer::new(service).max_decoding_message_size(orchestrator_proto::limits::MAX_MESSAGE_BYTES),
                         orchestrator_worker::auth::interceptor(Some(token)),
                     ))
                     .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
@@ -63,21 +58,25 @@ impl Endpoint {
         Ok(Self { address, url, tls: tls.cloned(), registry, session, shutdown, stop, task })
     }
 
-    /// Serves `session` until the Shutdown RPC, Ctrl-C or SIGTERM, then stops its workers (and records
-    /// the shutdown in the journal).
-    pub async fn serve(&self, session: Session, token_file: &Path) {
+    /// Serves `session` (with its health loop) until the Shutdown RPC, Ctrl-C or SIGTERM, then
+    /// stops its workers (and records the shutdown in the journal). Shutdown waits for nothing a
+    /// running report, update or probe holds.
+    pub async fn serve(&self, session: Arc<Session>, token_file: &Path) {
         let signal = orchestrator_worker::grpc::shutdown_signal();
         let mut auth = format!("--coordinator {} --token-file {}", self.url, token_file.display());
         if let Some(t) = &self.tls {
             auth.push_str(&format!(" --tls-dir {}", t.dir.display()));
         }
         eprintln!("serving: `orchestrator report {auth}` re-runs the checks; `orchestrator shutdown {auth}` stops");
-        *self.session.lock().await = Some(session);
+        let health = tokio::spawn(health_loop(session.clone()));
+        *self.session.write().unwrap_or_else(|p| p.into_inner()) = Some(session);
         tokio::select! {
             _ = self.shutdown.notified() => {}
             _ = signal => {}
         }
-        if let Some(session) = self.session.lock().await.take() {
+        health.abort();
+        let session = self.session.write().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(session) = session {
             session.cluster.shutdown().await;
             if let Some(j) = &session.journal {
                 j.note(Event::Shutdown);

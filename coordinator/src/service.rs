@@ -4,13 +4,14 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use orchestrator_proto::limits;
 use orchestrator_proto::v1 as pb;
 use orchestrator_proto::v1::coordinator_server::Coordinator;
 use tokio::sync::Notify;
 use tonic::{Request, Response, Status};
 
 use crate::cluster::{Registration, Registry};
-use crate::launch::Session;
+use crate::session::Session;
 
 /// Marks an update in flight until dropped (also when the update's future is cancelled).
 struct InFlight<'a>(&'a std::sync::atomic::AtomicBool);
@@ -30,19 +31,31 @@ impl Drop for InFlight<'_> {
 
 pub struct CoordinatorService {
     pub registry: Arc<Registry>,
-    /// The running session, once the cluster is up (`report` needs it).
-    pub session: Arc<tokio::sync::Mutex<Option<Session>>>,
+    /// The running session, once the cluster is up. Calls clone the `Arc` and let go of the
+    /// lock at once: a long report never holds up an update, a routed probe or shutdown.
+    pub session: SessionSlot,
     pub shutdown: Arc<Notify>,
-    /// Updates run one at a time.
-    pub update_lock: tokio::sync::Mutex<()>,
+}
+
+/// Where the service finds the session (empty while the cluster is launching or recovering).
+pub type SessionSlot = Arc<std::sync::RwLock<Option<Arc<Session>>>>;
+
+impl CoordinatorService {
+    fn session(&self) -> Result<Arc<Session>, Status> {
+        self.session.read().unwrap_or_else(|p| p.into_inner()).clone().ok_or_else(|| {
+            Status::failed_precondition(
+                "the cluster is not serving yet (it is still launching or recovering): nothing was started; try again",
+            )
+        })
+    }
 }
 
 #[tonic::async_trait]
 impl Coordinator for CoordinatorService {
     async fn register(&self, request: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
         let r = request.into_inner();
-        if r.address.is_empty() {
-            return Err(Status::invalid_argument("register: address is empty"));
+        if r.address.is_empty() || r.address.len() > limits::MAX_PATH_BYTES || r.host.len() > limits::MAX_PATH_BYTES {
+            return Err(Status::invalid_argument("register: address is empty, or address or host is longer than 4096 bytes"));
         }
         if r.protocol_version != orchestrator_proto::PROTOCOL_VERSION {
             return Err(Status::failed_precondition(format!(
@@ -52,9 +65,15 @@ impl Coordinator for CoordinatorService {
                 orchestrator_proto::PROTOCOL_VERSION
             )));
         }
+        let process = orchestrator_worker::process::ProcessIdentity {
+            pid: r.pid,
+            start_ticks: r.start_ticks,
+            boot_id: r.boot_id,
+            executable: r.executable.into(),
+        };
         self.registry.register(
             r.worker_id,
-            Registration { address: r.address, host: r.host, device: r.device, pid: r.pid, last_heartbeat: Instant::now() },
+            Registration { address: r.address, host: r.host, device: r.device, process, last_heartbeat: Instant::now() },
         );
         Ok(Response::new(pb::RegisterResponse {}))
     }
@@ -70,8 +89,7 @@ impl Coordinator for CoordinatorService {
 
     async fn report(&self, request: Request<pb::ClusterReportRequest>) -> Result<Response<pb::ClusterReport>, Status> {
         let probe = request.into_inner().probe;
-        let mut guard = self.session.lock().await;
-        let session = guard.as_mut().ok_or_else(|| Status::unavailable("the cluster is not up yet"))?;
+        let session = self.session()?;
         let report = session.check(probe).await;
         let json = serde_json::to_string_pretty(&report).map_err(|e| Status::internal(e.to_string()))?;
         Ok(Response::new(pb::ClusterReport { ok: report.ok, json, text: report.render() }))
@@ -82,59 +100,49 @@ impl Coordinator for CoordinatorService {
         if r.checkpoint_dir.is_empty() {
             return Err(Status::invalid_argument("update: checkpoint_dir is empty"));
         }
-        let _one_update_at_a_time = self.update_lock.lock().await;
-        let (cluster, rotation, config, probe, journal, update, from, updating) = {
-            let mut guard = self.session.lock().await;
-            let s = guard.as_mut().ok_or_else(|| Status::unavailable("the cluster is not up yet"))?;
-            s.last_update += 1;
-            (
-                s.cluster.clone(),
-                s.rotation.clone(),
-                s.config.clone(),
-                s.probe.unwrap_or(orchestrator_worker::probe::ProbeSpec { tokens: 2, latents: 16, seed: 0 }),
-                s.journal.clone(),
-                s.last_update,
-                s.current_source.clone(),
-                s.updating.clone(),
-            )
+        if r.checkpoint_dir.len() > limits::MAX_PATH_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "update: checkpoint_dir is {} bytes, longer than a path can be ({} bytes)",
+                r.checkpoint_dir.len(),
+                limits::MAX_PATH_BYTES
+            )));
+        }
+        let session = self.session()?;
+        let _one_update_at_a_time = session.update_lock.lock().await;
+        let (update, from) = {
+            let mut st = session.state();
+            st.last_update += 1;
+            (st.last_update, st.current_source.clone())
         };
         let dir = std::path::Path::new(&r.checkpoint_dir);
         let plan = crate::update::UpdatePlan {
             dir,
-            probe,
+            probe: session.update_probe(),
             max_unavailable: r.max_unavailable.max(1),
             replicas: None,
-            journal: journal.as_deref().map(|j| (j, update, from)),
+            journal: session.journal.as_deref().map(|j| (j, update, from)),
+            roots: &session.roots,
         };
         let outcome = {
             // Reports meanwhile see replicas on different versions as an update in flight.
-            let _in_flight = InFlight::set(&updating);
-            crate::update::rolling_update(&cluster, &rotation, &config, plan).await
+            let _in_flight = InFlight::set(&session.updating);
+            crate::update::rolling_update(&session.cluster, &session.rotation, &session.config, plan).await
         };
+        if outcome.ok {
+            let mut st = session.state();
+            st.source_desc = format!("checkpoint {} (rolled out)", outcome.checkpoint);
+            st.current_source = crate::journal::SourceRecord::Checkpoint { dir: dir.to_path_buf() };
+        }
         // The consistency report after the update (versions included).
-        let report = {
-            let mut guard = self.session.lock().await;
-            match guard.as_mut() {
-                Some(s) => {
-                    if outcome.ok {
-                        s.source_desc = format!("checkpoint {} (rolled out)", outcome.checkpoint);
-                        s.current_source = crate::journal::SourceRecord::Checkpoint { dir: dir.to_path_buf() };
-                    }
-                    Some(s.check(true).await)
-                }
-                None => None,
-            }
-        };
-        let ok = outcome.ok && report.as_ref().is_some_and(|r| r.ok);
+        let report = session.check(true).await;
+        let ok = outcome.ok && report.ok;
         let mut text = String::new();
         for step in &outcome.steps {
             text.push_str(step);
             text.push('\n');
         }
         text.push_str(&format!("update {} in {:.2} s\n", if outcome.ok { "done" } else { "FAILED" }, outcome.seconds));
-        if let Some(r) = &report {
-            text.push_str(&r.render());
-        }
+        text.push_str(&report.render());
         let json = serde_json::json!({ "ok": ok, "update": outcome, "report": report });
         Ok(Response::new(pb::UpdateResponse {
             ok,
@@ -145,16 +153,11 @@ impl Coordinator for CoordinatorService {
 
     async fn routed_probe(&self, request: Request<pb::RoutedProbeRequest>) -> Result<Response<pb::RoutedProbeResult>, Status> {
         let r = request.into_inner();
-        if r.tokens == 0 || r.latents == 0 {
-            return Err(Status::invalid_argument("probe: tokens and latents must be at least 1"));
-        }
-        let (cluster, rotation) = {
-            let guard = self.session.lock().await;
-            let s = guard.as_ref().ok_or_else(|| Status::unavailable("the cluster is not up yet"))?;
-            (s.cluster.clone(), s.rotation.clone())
-        };
+        orchestrator_model::limits::check_probe(r.tokens as usize, r.latents as usize)
+            .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
+        let session = self.session()?;
         let spec = orchestrator_worker::probe::ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
-        Ok(Response::new(crate::update::routed_probe(&cluster, &rotation, spec).await))
+        Ok(Response::new(crate::update::routed_probe(&session.cluster, &session.rotation, spec).await))
     }
 
     async fn shutdown(&self, _request: Request<pb::ShutdownRequest>) -> Result<Response<pb::ShutdownResponse>, Status> {

@@ -1,26 +1,30 @@
-//! Rolling weight updates (`orchestrator update`) and the probe rotation they keep serving.
+//! Rolling weight updates (`orchestrator update`), routed probes, and bringing replicas back
+//! into rotation: the I/O around the commit protocol of [`crate::rollout`].
 //!
-//! One replica (TP group) at a time: take it out of probe rotation (when another replica can
-//! serve), stage the new version on every rank into shadow buffers through the same loader
-//! pipeline, verify it (round trips, probes against the reference, the group agreeing on `y`,
-//! and the same `y` as replicas already updated), swap every rank of the group at one barrier,
-//! put it back. A failure aborts the staged version: the replica keeps its old one, and the
-//! update stops with the reason.
+//! One batch of replicas (TP groups) at a time: each is taken out of probe rotation (when
+//! another replica can serve), stages the new version on every rank into shadow buffers through
+//! the same loader pipeline, and is verified (round trips, probes against the reference, the
+//! group agreeing on `y`, and the same `y` as replicas already updated). Then the decision is
+//! journaled: abort (any failure: every rank drops what it staged) or commit (every rank is
+//! driven to the new version, and an abort is never reported after it). A replica returns to
+//! rotation only once every rank confirmed one version and a probe passed.
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use orchestrator_model::inspect::inspect;
 use orchestrator_model::{Checkpoint, ModelConfig};
+use orchestrator_proto::limits;
 use orchestrator_proto::v1 as pb;
+use orchestrator_worker::auth::AllowedRoots;
 use orchestrator_worker::probe::ProbeSpec;
 use serde::Serialize;
 
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, RankResults};
 use crate::journal::{Event, Journal, SourceRecord, Step};
+use crate::rollout::{self, CommitStatus, Decision, RankView};
+use crate::rotation::Rotation;
 
 /// What a rolling update is asked to do.
 pub struct UpdatePlan<'a> {
@@ -32,66 +36,129 @@ pub struct UpdatePlan<'a> {
     pub replicas: Option<Vec<u32>>,
     /// Where to journal the update's steps, its number, and the source it moves from.
     pub journal: Option<(&'a Journal, u64, SourceRecord)>,
+    /// The directories the workers may read: checked here before any replica is touched.
+    pub roots: &'a AllowedRoots,
 }
 
-/// Which replicas serve probes, and which version each holds.
-pub struct Rotation {
-    serving: Mutex<Vec<bool>>,
-    versions: Mutex<Vec<String>>,
-    next: AtomicUsize,
-}
-
-impl Rotation {
-    pub fn new(versions: Vec<String>) -> Self {
-        Self { serving: Mutex::new(vec![true; versions.len()]), versions: Mutex::new(versions), next: AtomicUsize::new(0) }
+/// One replica's probe, judged: every rank answered within tolerance, on one version, with one
+/// `y`. The version and `y` when it passed; why not otherwise.
+pub fn judge_probe(results: &RankResults<pb::ProbeResult>) -> Result<(String, String), String> {
+    let mut errors: Vec<String> = results.values().filter_map(|r| r.as_ref().err().cloned()).collect();
+    let probes: Vec<(&u32, &pb::ProbeResult)> = results.iter().filter_map(|(id, r)| r.as_ref().ok().map(|p| (id, p))).collect();
+    if probes.iter().any(|(_, p)| !p.ok) {
+        errors.push("a rank's probe is out of tolerance".into());
     }
-
-    /// Rotation from observed versions: a replica serves only when its ranks agree.
-    pub fn observed(versions: Vec<Option<String>>) -> Self {
-        let serving = versions.iter().map(Option::is_some).collect();
-        let versions = versions.into_iter().map(|v| v.unwrap_or_else(|| "mixed".into())).collect();
-        Self { serving: Mutex::new(serving), versions: Mutex::new(versions), next: AtomicUsize::new(0) }
+    if probes.windows(2).any(|w| w[0].1.probed_version != w[1].1.probed_version) {
+        let seen: Vec<String> = probes.iter().map(|(id, p)| format!("worker {id}: {}", p.probed_version)).collect();
+        errors.push(format!("the group's ranks hold different versions ({})", seen.join(", ")));
     }
-
-    pub fn set(&self, replica: u32, serving: bool) {
-        self.serving.lock().unwrap_or_else(|p| p.into_inner())[replica as usize] = serving;
+    if probes.windows(2).any(|w| w[0].1.y_digest != w[1].1.y_digest) {
+        errors.push("the group's ranks disagree on y".into());
     }
-
-    pub fn version(&self, replica: u32) -> String {
-        self.versions.lock().unwrap_or_else(|p| p.into_inner())[replica as usize].clone()
+    if results.is_empty() {
+        errors.push("the replica has no ranks".into());
     }
-
-    /// The next replica in rotation (round robin), if any serves.
-    pub fn pick(&self) -> Option<u32> {
-        let serving = self.serving.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let n = serving.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
-        (0..n).map(|i| (start + i) % n).find(|&r| serving[r]).map(|r| r as u32)
+    match (errors.is_empty(), probes.first()) {
+        (true, Some((_, p))) => Ok((p.probed_version.clone(), p.y_digest.clone())),
+        _ => Err(errors.join("; ")),
     }
 }
 
-/// One probe through the rotation.
+/// One probe through the rotation. A probe whose ranks fail or disagree (on `y` or on the
+/// version they hold) fails loudly and takes its replica out of rotation; the version counted
+/// is the one the ranks said they probed.
 pub async fn routed_probe(cluster: &Cluster, rotation: &Rotation, spec: ProbeSpec) -> pb::RoutedProbeResult {
     let Some(replica) = rotation.pick() else {
         return pb::RoutedProbeResult { ok: false, replica: 0, checkpoint_version: String::new(), error: "no replica in rotation".into() };
     };
-    let version = rotation.version(replica);
-    let result = cluster.probe_in(Some(replica), (spec.tokens as u32, spec.latents as u32, spec.seed), false, true).await;
-    let error = match result {
-        Err(failures) => Some(failures.into_iter().map(|(_, f)| f).collect::<Vec<_>>().join("; ")),
-        Ok(results) => {
-            let mut errors: Vec<String> = results.values().filter_map(|r| r.as_ref().err().cloned()).collect();
-            let probes: Vec<&pb::ProbeResult> = results.values().filter_map(|r| r.as_ref().ok()).collect();
-            if probes.iter().any(|p| !p.ok) {
-                errors.push("a rank's probe is out of tolerance".into());
-            }
-            if probes.windows(2).any(|w| w[0].y_digest != w[1].y_digest) {
-                errors.push("the group's ranks disagree on y".into());
-            }
-            (!errors.is_empty()).then(|| errors.join("; "))
+    let results = cluster.probe_in(Some(replica), (spec.tokens as u32, spec.latents as u32, spec.seed), false, true).await;
+    match judge_probe(&results) {
+        Ok((version, _)) => {
+            rotation.observed_version(replica, &version);
+            pb::RoutedProbeResult { ok: true, replica, checkpoint_version: version, error: String::new() }
         }
-    };
-    pb::RoutedProbeResult { ok: error.is_none(), replica, checkpoint_version: version, error: error.unwrap_or_default() }
+        Err(why) => {
+            rotation.pull(replica, &format!("a routed probe failed: {why}"));
+            tracing::warn!(replica, "routed probe failed, replica out of rotation: {why}");
+            pb::RoutedProbeResult {
+                ok: false,
+                replica,
+                checkpoint_version: String::new(),
+                error: format!("replica dp{replica} (now out of rotation): {why}"),
+            }
+        }
+    }
+}
+
+/// Probes a replica that is out of rotation (serving probe on its active weights) and puts it
+/// back when the probe passes: the version its ranks agreed on, or why it stays out.
+/// `by_update`: the update that owns the replica asks (see [`Rotation::reinstate`]).
+pub async fn try_reinstate(cluster: &Cluster, rotation: &Rotation, dp: u32, spec: ProbeSpec, by_update: bool) -> Result<String, String> {
+    let results = cluster.probe_in(Some(dp), (spec.tokens as u32, spec.latents as u32, spec.seed), false, true).await;
+    let (version, _) = judge_probe(&results)?;
+    rotation.observed_version(dp, &version);
+    if rotation.reinstate(dp, &version, by_update) {
+        Ok(version)
+    } else {
+        Err(format!("probe passed on {version}, but the replica is not free to serve"))
+    }
+}
+
+/// Asks every rank of replica `dp` to swap to the decided `target`, again and again, until
+/// every rank confirmed it or the commit is stuck (a rank dead, without the staged copy, or
+/// silent past `limit`). Rank views come from the commit answers, and for a rank whose commit
+/// failed, from its brief report.
+pub async fn drive_commit(cluster: &Cluster, dp: u32, target: &str, limit: std::time::Duration) -> CommitStatus {
+    let start = Instant::now();
+    let ranks: Vec<&crate::cluster::WorkerHandle> = cluster.workers.iter().filter(|w| w.dp == dp).collect();
+    loop {
+        let answers = cluster.commit(dp, target).await;
+        let mut views = Vec::new();
+        for w in &ranks {
+            let view = match answers.get(&w.id) {
+                Some(Ok((active, staged))) => RankView::Holds { active: active.clone(), staged: staged.clone() },
+                other => {
+                    let why = match other {
+                        Some(Err(e)) => e.clone(),
+                        _ => format!("{}: no answer", w.label()),
+                    };
+                    match cluster.health(w).await {
+                        Some((true, dead)) => RankView::Dead { why: dead },
+                        _ => match brief_versions(cluster, dp, w.id).await {
+                            Some((active, staged)) => RankView::Holds { active, staged },
+                            None => RankView::Silent { for_: start.elapsed(), why },
+                        },
+                    }
+                }
+            };
+            views.push(view);
+        }
+        match rollout::commit_status(target, &views, limit) {
+            CommitStatus::Pending { .. } => tokio::time::sleep(limits::COMMIT_RETRY).await,
+            done_or_stuck => return done_or_stuck,
+        }
+    }
+}
+
+/// The versions one rank holds and has staged, from its brief report.
+async fn brief_versions(cluster: &Cluster, dp: u32, id: u32) -> Option<(String, String)> {
+    let reports = cluster
+        .fan_out_in(Some(dp), |w, mut client| {
+            let wanted = w.id == id;
+            let req = orchestrator_worker::auth::request(
+                pb::ReportRequest { shadow: false, brief: true },
+                limits::COMMIT_CALL_DEADLINE,
+                Some(&cluster.token),
+            );
+            async move {
+                if !wanted {
+                    return Err(String::new());
+                }
+                client.report(req).await.map(|r| r.into_inner()).map_err(|s| s.message().to_string())
+            }
+        })
+        .await;
+    reports.get(&id)?.as_ref().ok().map(|r| (r.checkpoint_version.clone(), r.staged_version.clone()))
 }
 
 /// What an update did, step by step.
@@ -101,14 +168,21 @@ pub struct UpdateOutcome {
     pub checkpoint: String,
     pub new_version: String,
     pub steps: Vec<String>,
-    /// Replica -> version after the update.
+    /// Replica -> the version its ranks last agreed on (empty: they do not agree, or did not
+    /// answer).
     pub versions: BTreeMap<u32, String>,
+    /// Replicas whose commit was decided but not confirmed by every rank (out of rotation until
+    /// it is).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub pending_commits: BTreeMap<u32, String>,
     pub seconds: f64,
 }
 
-/// Validates the new checkpoint against the running plan before any replica is touched.
-fn validate(dir: &Path, running: &ModelConfig) -> Result<String, String> {
-    let ck = Checkpoint::open(dir).map_err(|e| format!("new checkpoint {}: {e}", dir.display()))?;
+/// Validates the new checkpoint against the running plan and the allowed roots before any
+/// replica is touched: the new version.
+pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots) -> Result<String, String> {
+    let dir = roots.check(dir).map_err(|e| format!("new checkpoint: {e}"))?;
+    let ck = Checkpoint::open(&dir).map_err(|e| format!("new checkpoint {}: {e}", dir.display()))?;
     if ck.config.geometry != running.geometry || ck.config.format != running.format {
         return Err(format!(
             "new checkpoint {} has geometry {:?} / {:?}, the running plan {:?} / {:?}",
@@ -126,125 +200,218 @@ fn validate(dir: &Path, running: &ModelConfig) -> Result<String, String> {
     Ok(orchestrator_worker::LoadSource::Safetensors(ck).version())
 }
 
-/// Rolls `dir` across every replica, at most `max_unavailable` replicas at a time (and never
-/// all of them while more than one exists, so probes keep being served). A batch is staged and
-/// verified on every replica in it before any of them swaps; a failure aborts the whole batch.
+/// Rolls `dir` across the replicas, at most `max_unavailable` at a time (never all of them
+/// while more than one exists, so probes keep being served). A batch is staged and verified on
+/// every replica in it before any commit is decided; a failure before the decision aborts the
+/// whole batch, and a decided commit is driven to every rank.
 pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, plan: UpdatePlan<'_>) -> UpdateOutcome {
-    let UpdatePlan { dir, probe, max_unavailable, replicas, journal } = plan;
+    let UpdatePlan { dir, probe, max_unavailable, replicas, journal, roots } = plan;
     let start = Instant::now();
     let mut steps = Vec::new();
+    let mut pending_commits = BTreeMap::new();
+    let finish = |ok: bool, new_version: String, steps: Vec<String>, pending_commits: BTreeMap<u32, String>| UpdateOutcome {
+        ok,
+        checkpoint: dir.display().to_string(),
+        new_version,
+        steps,
+        versions: (0..cluster.dp).map(|dp| (dp, rotation.version(dp))).collect(),
+        pending_commits,
+        seconds: start.elapsed().as_secs_f64(),
+    };
+    if let Some((dp, v)) = rotation.states().iter().enumerate().find_map(|(dp, s)| s.pending_commit.clone().map(|v| (dp, v))) {
+        let why = format!(
+            "refused before touching any replica: replica dp{dp} has a decided commit to {v} that not every rank confirmed yet \
+             (it is finished when its ranks answer; `orchestrator report` shows them)"
+        );
+        return finish(false, String::new(), vec![why], pending_commits);
+    }
     let new_version = match tokio::task::spawn_blocking({
-        let (dir, running) = (dir.to_path_buf(), running.clone());
-        move || validate(&dir, &running)
+        let (dir, running, roots) = (dir.to_path_buf(), running.clone(), roots.clone());
+        move || validate(&dir, &running, &roots)
     })
     .await
     {
         Ok(Ok(v)) => v,
-        Ok(Err(e)) => {
-            return finish(false, dir, String::new(), vec![format!("refused before touching any replica: {e}")], rotation, cluster, start);
-        }
-        Err(e) => return finish(false, dir, String::new(), vec![format!("validation task failed: {e}")], rotation, cluster, start),
+        Ok(Err(e)) => return finish(false, String::new(), vec![format!("refused before touching any replica: {e}")], pending_commits),
+        Err(e) => return finish(false, String::new(), vec![format!("validation task failed: {e}")], pending_commits),
     };
     steps.push(format!("validated {} (version {new_version}) against the running plan", dir.display()));
     let target = SourceRecord::Checkpoint { dir: dir.to_path_buf() };
     let source = target.to_pb();
-    let record = |event: Event| {
+    let update = journal.as_ref().map_or(0, |(_, id, _)| *id);
+    // Steps that must be on disk before the workers act on them fail the update when they
+    // cannot be written; the rest are noted (what happened on the workers stays true).
+    let record = |event: Event| -> Result<(), String> {
+        match &journal {
+            Some((j, _, _)) => j.record(event).map_err(|e| format!("journal: {e}")),
+            None => Ok(()),
+        }
+    };
+    let note = |event: Event| {
         if let Some((j, _, _)) = &journal {
             j.note(event);
         }
     };
-    let update = journal.as_ref().map_or(0, |(_, id, _)| *id);
-    if let Some((_, _, from)) = &journal {
-        record(Event::UpdateBegin { update, from: from.clone(), to: target, new_version: new_version.clone(), max_unavailable });
+    let end = |ok: bool, text: &str| note(Event::UpdateEnd { update, ok, note: text.to_string() });
+    if let Some((_, _, from)) = &journal
+        && let Err(e) =
+            record(Event::UpdateBegin { update, from: from.clone(), to: target, new_version: new_version.clone(), max_unavailable })
+    {
+        return finish(false, new_version, vec![format!("refused before touching any replica: {e}")], pending_commits);
     }
-    let step = |dp: u32, step: Step| record(Event::UpdateStep { update, dp, step });
-    let end = |ok: bool, note: &str| record(Event::UpdateEnd { update, ok, note: note.to_string() });
-    let batch = if cluster.dp == 1 { 1 } else { max_unavailable.clamp(1, cluster.dp - 1) } as usize;
     let replicas: Vec<u32> = replicas.unwrap_or_else(|| (0..cluster.dp).collect());
     let mut reference_y: Option<String> = None;
-    for group in replicas.chunks(batch) {
-        for &dp in group {
-            step(dp, Step::Staging);
-            if cluster.dp > 1 {
-                rotation.set(dp, false);
+    for group in rollout::batches(&replicas, max_unavailable, cluster.dp) {
+        let mut failure: Option<(u32, String)> = None;
+        for &dp in &group {
+            if let Err(e) = record(Event::UpdateStep { update, dp, step: Step::Staging }) {
+                failure.get_or_insert((dp, e));
             }
+            rotation.take_for_update(dp, cluster.dp > 1);
         }
-        let staged =
-            futures_util::future::join_all(group.iter().map(|&dp| stage_and_verify(cluster, dp, &source, &new_version, probe))).await;
-        // Every replica of the batch must verify, and all must agree on y with each other and
-        // with the replicas already updated.
-        let mut failure = None;
-        for (&dp, r) in group.iter().zip(&staged) {
-            match r {
-                Err(e) if failure.is_none() => failure = Some((dp, e.clone())),
-                Ok((_, y)) if failure.is_none() => match &reference_y {
-                    Some(r) if r != y => failure = Some((dp, format!("staged y {y} differs from the already verified replicas' {r}"))),
-                    _ => reference_y = Some(y.clone()),
-                },
-                _ => {}
-            }
-        }
-        if failure.is_none() {
-            for &dp in group {
-                step(dp, Step::Verified);
-            }
-        }
-        let commits = if failure.is_none() {
-            futures_util::future::join_all(group.iter().map(|&dp| cluster.commit(dp, &new_version))).await
+        let staged = if failure.is_none() {
+            futures_util::future::join_all(group.iter().map(|&dp| stage_and_verify(cluster, dp, &source, &new_version, probe))).await
         } else {
             Vec::new()
         };
-        for (&dp, c) in group.iter().zip(&commits) {
-            let err = match c {
-                Err(f) => Some(f.iter().map(|(_, e)| e.clone()).collect::<Vec<_>>().join("; ")),
-                Ok(results) => results.values().find_map(|r| r.as_ref().err().cloned()),
+        // Every replica of the batch must verify, and all must agree on y with each other and
+        // with the replicas already updated; every rank must still be up at the decision.
+        for (&dp, r) in group.iter().zip(&staged) {
+            let verification = match r {
+                Err(e) => Err(e.clone()),
+                Ok((_, y)) => match &reference_y {
+                    Some(r) if r != y => Err(format!("staged y {y} differs from the already verified replicas' {r}")),
+                    _ => {
+                        reference_y = Some(y.clone());
+                        Ok(())
+                    }
+                },
             };
-            match (err, &failure) {
-                (Some(e), None) => failure = Some((dp, format!("commit: {e}"))),
-                (None, _) => step(dp, Step::Committed),
-                (Some(_), Some(_)) => {}
+            let unhealthy: Vec<String> = cluster.down_in(dp).await.into_iter().flatten().map(|(_, why)| why).collect();
+            if let Decision::Abort { why } = rollout::decide(verification, &unhealthy) {
+                failure.get_or_insert((dp, why));
             }
         }
-        match failure {
-            None => {
-                for (&dp, r) in group.iter().zip(&staged) {
-                    rotation.versions.lock().unwrap_or_else(|p| p.into_inner())[dp as usize] = new_version.clone();
-                    rotation.set(dp, true);
-                    let detail = r.as_ref().map(|(d, _)| d.as_str()).unwrap_or_default();
-                    steps.push(format!("replica dp{dp}: {detail}; swapped to {new_version}"));
+        if failure.is_none() {
+            for &dp in &group {
+                note(Event::UpdateStep { update, dp, step: Step::Verified });
+            }
+            // The commit decision, on disk before any rank is told to swap.
+            for &dp in &group {
+                if let Err(e) = record(Event::UpdateStep { update, dp, step: Step::Decided }) {
+                    failure.get_or_insert((dp, e));
+                    break;
                 }
             }
-            Some((failed, e)) => {
-                for &dp in group {
-                    cluster.abort(dp).await;
-                    step(dp, Step::Aborted);
-                    // A replica with a dead rank cannot serve: it stays out of rotation.
-                    let dead = cluster.dead_in_settled(dp).await;
-                    rotation.set(dp, dead.is_empty());
-                    let down = if dead.is_empty() { String::new() } else { format!(" ({}: out of rotation)", dead.join(", ")) };
-                    let why = if dp == failed { e.clone() } else { format!("aborted with its batch (replica dp{failed} failed)") };
-                    steps.push(format!("replica dp{dp}: FAILED, kept version {}{down}: {why}", rotation.version(dp)));
+        }
+        if let Some((failed, e)) = failure {
+            abort_batch(cluster, rotation, &group, &record, update, probe, failed, &e, &mut steps).await;
+            end(false, &format!("replica dp{failed} failed: {e}"));
+            return finish(false, new_version, steps, pending_commits);
+        }
+        // Decided: drive every rank of every replica of the batch to the new version.
+        let statuses =
+            futures_util::future::join_all(group.iter().map(|&dp| drive_commit(cluster, dp, &new_version, limits::COMMIT_DRIVE_LIMIT)))
+                .await;
+        let mut stuck = Vec::new();
+        for ((&dp, status), r) in group.iter().zip(statuses).zip(&staged) {
+            let detail = r.as_ref().map(|(d, _)| d.as_str()).unwrap_or_default();
+            match status {
+                CommitStatus::Done => {
+                    note(Event::UpdateStep { update, dp, step: Step::Committed });
+                    rotation.observed_version(dp, &new_version);
+                    let back = match try_reinstate(cluster, rotation, dp, probe, true).await {
+                        Ok(_) => String::new(),
+                        Err(why) => {
+                            rotation.pull(dp, &format!("its probe after the commit failed: {why}"));
+                            format!("; its probe after the commit failed, out of rotation: {why}")
+                        }
+                    };
+                    steps.push(format!("replica dp{dp}: {detail}; swapped to {new_version}{back}"));
                 }
-                end(false, &format!("replica dp{failed} failed: {e}"));
-                return finish(false, dir, new_version, steps, rotation, cluster, start);
+                CommitStatus::Stuck { ranks } => {
+                    let labels: Vec<String> = ranks.iter().map(|(tp, why)| format!("rank dp{dp}/tp{tp} {why}")).collect();
+                    let dead = ranks.iter().any(|(_, why)| why.starts_with("dead"));
+                    let why = format!("commit to {new_version} decided, not confirmed by every rank: {}", labels.join("; "));
+                    if dead {
+                        rotation.mark_dead(dp, &why);
+                    } else {
+                        rotation.pull(dp, &why);
+                    }
+                    rotation.set_pending_commit(dp, Some(new_version.clone()));
+                    pending_commits.insert(dp, new_version.clone());
+                    steps.push(format!("replica dp{dp}: {detail}; {why}; out of rotation until every rank confirms {new_version}"));
+                    stuck.push(dp);
+                }
+                CommitStatus::Pending { .. } => unreachable!("drive_commit returns only done or stuck"),
             }
+            rotation.release(dp);
+        }
+        if !stuck.is_empty() {
+            end(false, &format!("replicas {stuck:?}: commit decided, not confirmed by every rank"));
+            return finish(false, new_version, steps, pending_commits);
         }
     }
     end(true, "every replica verified and swapped");
-    finish(true, dir, new_version, steps, rotation, cluster, start)
+    finish(true, new_version, steps, pending_commits)
 }
 
-fn finish(
-    ok: bool,
-    dir: &Path,
-    new_version: String,
-    steps: Vec<String>,
-    rotation: &Rotation,
+/// The abort decision for a batch (journaled before any rank is told), then every rank drops
+/// what it staged and each replica is probed back into rotation.
+#[allow(clippy::too_many_arguments)]
+async fn abort_batch(
     cluster: &Cluster,
-    start: Instant,
-) -> UpdateOutcome {
-    let versions = (0..cluster.dp).map(|dp| (dp, rotation.version(dp))).collect();
-    UpdateOutcome { ok, checkpoint: dir.display().to_string(), new_version, steps, versions, seconds: start.elapsed().as_secs_f64() }
+    rotation: &Rotation,
+    group: &[u32],
+    record: &impl Fn(Event) -> Result<(), String>,
+    update: u64,
+    probe: ProbeSpec,
+    failed: u32,
+    e: &str,
+    steps: &mut Vec<String>,
+) {
+    for &dp in group {
+        // Dropping a staged copy is always safe: abort even when the journal cannot be written.
+        if let Err(j) = record(Event::UpdateStep { update, dp, step: Step::Aborted }) {
+            tracing::error!("{j}");
+        }
+        let answers = cluster.abort(dp).await;
+        let held: Vec<&String> = answers.values().filter_map(|r| r.as_ref().ok()).collect();
+        let kept = match held.first() {
+            Some(v) if held.iter().all(|h| h == v) => {
+                if held.len() == answers.len() {
+                    rotation.observed_version(dp, v);
+                    format!("kept version {v}")
+                } else {
+                    format!("kept version {v} on every rank that answered")
+                }
+            }
+            Some(_) => format!(
+                "its ranks answered the abort with different versions ({})",
+                held.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+            None => "no rank answered the abort".to_string(),
+        };
+        let down: Vec<(bool, String)> = cluster.down_in(dp).await.into_iter().flatten().collect();
+        let out = if let Some((_, why)) = down.iter().find(|(dead, _)| *dead) {
+            rotation.mark_dead(dp, why);
+            format!(" ({why}: out of rotation)")
+        } else if !down.is_empty() {
+            rotation.pull(dp, &down[0].1);
+            format!(" ({}: out of rotation)", down[0].1)
+        } else {
+            match try_reinstate(cluster, rotation, dp, probe, true).await {
+                Ok(_) => String::new(),
+                Err(why) => {
+                    rotation.pull(dp, &format!("its probe after the abort failed: {why}"));
+                    format!(" (its probe after the abort failed: out of rotation: {why})")
+                }
+            }
+        };
+        rotation.release(dp);
+        let why = if dp == failed { e.to_string() } else { format!("aborted with its batch (replica dp{failed} failed)") };
+        steps.push(format!("replica dp{dp}: FAILED, {kept}{out}: {why}"));
+    }
 }
 
 /// Stages and verifies one replica: a description and the staged `y`.
@@ -255,25 +422,27 @@ async fn stage_and_verify(
     new_version: &str,
     probe: ProbeSpec,
 ) -> Result<(String, String), String> {
-    let failed = |f: crate::cluster::Failures| f.into_iter().map(|(_, e)| e).collect::<Vec<_>>().join("; ");
     let t = Instant::now();
-    let staged = cluster.stage(dp, source).await.map_err(failed)?;
-    if let Some(e) = staged.values().find_map(|r| r.as_ref().err()) {
-        return Err(e.clone());
+    let staged = cluster.stage(dp, source).await;
+    for (id, r) in &staged {
+        let (_, version) = r.as_ref().map_err(Clone::clone)?;
+        if version != new_version {
+            return Err(format!("worker {id} staged version {version}, expected {new_version}"));
+        }
     }
     let stage_s = t.elapsed().as_secs_f64();
     // Verify the staged version: round trips and versions, then probes and agreement on y.
-    let reports = cluster.reports_in(Some(dp), true).await.map_err(failed)?;
+    let reports = cluster.reports_in(Some(dp), true).await;
     for r in reports.values() {
         let r = r.as_ref().map_err(Clone::clone)?;
         if !r.round_trip_ok {
             return Err(format!("rank dp{dp}/tp{}: staged round trip failed: {}", r.tp_rank, r.round_trip_failures.join("; ")));
         }
-        if r.checkpoint_version != new_version {
-            return Err(format!("rank dp{dp}/tp{} staged version {}, expected {new_version}", r.tp_rank, r.checkpoint_version));
+        if r.staged_version != new_version {
+            return Err(format!("rank dp{dp}/tp{} staged version {}, expected {new_version}", r.tp_rank, r.staged_version));
         }
     }
-    let probes = cluster.probe_in(Some(dp), (probe.tokens as u32, probe.latents as u32, probe.seed), true, false).await.map_err(failed)?;
+    let probes = cluster.probe_in(Some(dp), (probe.tokens as u32, probe.latents as u32, probe.seed), true, false).await;
     let mut ys = Vec::new();
     for (id, p) in &probes {
         let p = p.as_ref().map_err(Clone::clone)?;
@@ -282,6 +451,9 @@ async fn stage_and_verify(
                 "worker {id}: staged probe out of tolerance (q differs in {} values, z err {:.3e})",
                 p.q_mismatches, p.z_max_abs_err
             ));
+        }
+        if p.probed_version != new_version {
+            return Err(format!("worker {id} probed version {}, expected {new_version}", p.probed_version));
         }
         ys.push(p.y_digest.clone());
     }

@@ -4,7 +4,9 @@
 #![allow(clippy::all, clippy::pedantic)]
 
 /// Bumped whenever the contract's meaning changes; workers and the coordinator must agree.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
+
+pub mod limits;
 
 pub mod v1 {
     tonic::include_proto!("orchestrator.v1");

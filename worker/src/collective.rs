@@ -153,8 +153,24 @@ impl RingListener {
     /// `peers[i]` is rank `i`'s listener address; `peers.len()` is the world size. The whole call
     /// finishes within about `timeout`. The first connection this listener accepts must be the
     /// previous rank's: anything else is refused (the connecting side is told why) and fails the
-    /// call. A ring of one rank makes no connections.
-    pub fn connect(self, group: u64, rank: usize, peers: &[SocketAddr], timeout: Duration) -> Result<TcpRing, CollectiveError> {
+    /// call. A ring of one rank makes no connections. The listener stays usable: a ring that
+    /// failed is replaced by joining a new epoch ([`RingListener::connect_epoch`]).
+    pub fn connect(&self, group: u64, rank: usize, peers: &[SocketAddr], timeout: Duration) -> Result<TcpRing, CollectiveError> {
+        self.connect_epoch(group, 0, rank, peers, timeout)
+    }
+
+    /// [`RingListener::connect`] for ring epoch `epoch` of `group`. A connection left over from an
+    /// earlier epoch (a peer that gave up on a ring that failed) is refused and skipped, so the
+    /// ranks of a group meet again on a new epoch after any failure; one from a later epoch, or
+    /// from another group, fails the call as any mismatch does.
+    pub fn connect_epoch(
+        &self,
+        group: u64,
+        epoch: u32,
+        rank: usize,
+        peers: &[SocketAddr],
+        timeout: Duration,
+    ) -> Result<TcpRing, CollectiveError> {
         let world = peers.len();
         if world == 0 {
             return Err(CollectiveError::InvalidGroup { reason: "the peer list is empty".into() });
@@ -170,7 +186,7 @@ impl RingListener {
             return Ok(ring);
         }
         let deadline = Instant::now() + timeout;
-        let me = Hello { status: STATUS_OK, group, rank: rank as u64, world: world as u64 };
+        let me = Hello { status: STATUS_OK, epoch, group, rank: rank as u64, world: world as u64 };
         let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
 
         // Connect first and send the hello: the previous rank's connect completes in our
@@ -180,32 +196,46 @@ impl RingListener {
         next_stream.set_write_timeout(Some(remaining(deadline)))?;
         (&next_stream).write_all(&me.encode()).map_err(|e| io_to_error(e, next, timeout, "sending the handshake"))?;
 
-        let (prev_stream, prev_addr) = accept_before(&self.listener, prev, timeout, deadline)?;
-        configure(&prev_stream)?;
-        prev_stream.set_read_timeout(Some(remaining(deadline)))?;
-        prev_stream.set_write_timeout(Some(remaining(deadline)))?;
         let mut buf = [0u8; HELLO_BYTES];
-        (&prev_stream).read_exact(&mut buf).map_err(|e| match io_to_error(e, prev, timeout, "receiving the handshake") {
-            CollectiveError::PeerLost { source, .. } => {
-                CollectiveError::Handshake { peer: prev, addr: prev_addr, reason: format!("no complete handshake arrived: {source}") }
+        let prev_stream = loop {
+            let (prev_stream, prev_addr) = accept_before(&self.listener, prev, timeout, deadline)?;
+            configure(&prev_stream)?;
+            prev_stream.set_read_timeout(Some(remaining(deadline)))?;
+            prev_stream.set_write_timeout(Some(remaining(deadline)))?;
+            (&prev_stream).read_exact(&mut buf).map_err(|e| match io_to_error(e, prev, timeout, "receiving the handshake") {
+                CollectiveError::PeerLost { source, .. } => {
+                    CollectiveError::Handshake { peer: prev, addr: prev_addr, reason: format!("no complete handshake arrived: {source}") }
+                }
+                other => other,
+            })?;
+            let refusal = match Hello::decode(&buf) {
+                None => Some((STATUS_MALFORMED, "it is not a ring handshake".to_string())),
+                Some(h) if h.group != group => {
+                    Some((STATUS_GROUP, format!("it is for group {:#x}, this ring is group {group:#x}", h.group)))
+                }
+                Some(h) if h.epoch < epoch => {
+                    // Left over from an earlier epoch: tell it, and wait for the current one.
+                    let _ = (&prev_stream).write_all(&Hello { status: STATUS_STALE, ..me }.encode());
+                    let _ = prev_stream.shutdown(Shutdown::Both);
+                    continue;
+                }
+                Some(h) if h.epoch != epoch => {
+                    Some((STATUS_EPOCH, format!("it is for ring epoch {}, this ring is epoch {epoch}", h.epoch)))
+                }
+                Some(h) if h.world != world as u64 => {
+                    Some((STATUS_WORLD, format!("it is for a world of {} ranks, this ring has {world}", h.world)))
+                }
+                Some(h) if h.rank != prev as u64 => Some((STATUS_RANK, format!("it comes from rank {}, expected rank {prev}", h.rank))),
+                Some(_) => None,
+            };
+            if let Some((status, reason)) = refusal {
+                // Tell the other side why, best effort, before failing.
+                let _ = (&prev_stream).write_all(&Hello { status, ..me }.encode());
+                let _ = prev_stream.shutdown(Shutdown::Both);
+                return Err(CollectiveError::Handshake { peer: prev, addr: prev_addr, reason });
             }
-            other => other,
-        })?;
-        let refusal = match Hello::decode(&buf) {
-            None => Some((STATUS_MALFORMED, "it is not a ring handshake".to_string())),
-            Some(h) if h.group != group => Some((STATUS_GROUP, format!("it is for group {:#x}, this ring is group {group:#x}", h.group))),
-            Some(h) if h.world != world as u64 => {
-                Some((STATUS_WORLD, format!("it is for a world of {} ranks, this ring has {world}", h.world)))
-            }
-            Some(h) if h.rank != prev as u64 => Some((STATUS_RANK, format!("it comes from rank {}, expected rank {prev}", h.rank))),
-            Some(_) => None,
+            break prev_stream;
         };
-        if let Some((status, reason)) = refusal {
-            // Tell the other side why, best effort, before failing.
-            let _ = (&prev_stream).write_all(&Hello { status, ..me }.encode());
-            let _ = prev_stream.shutdown(Shutdown::Both);
-            return Err(CollectiveError::Handshake { peer: prev, addr: prev_addr, reason });
-        }
         (&prev_stream).write_all(&me.encode()).map_err(|e| io_to_error(e, prev, timeout, "answering the handshake"))?;
 
         next_stream.set_read_timeout(Some(remaining(deadline)))?;
@@ -215,10 +245,10 @@ impl RingListener {
         if reply.status != STATUS_OK {
             return Err(handshake(format!("the listener refused this rank: {}", status_text(reply.status))));
         }
-        if reply.group != group || reply.world != world as u64 || reply.rank != next as u64 {
+        if reply.group != group || reply.epoch != epoch || reply.world != world as u64 || reply.rank != next as u64 {
             return Err(handshake(format!(
-                "the listener is rank {} of {} in group {:#x}, expected rank {next} of {world} in group {group:#x}",
-                reply.rank, reply.world, reply.group
+                "the listener is rank {} of {} in group {:#x} epoch {}, expected rank {next} of {world} in group {group:#x} epoch {epoch}",
+                reply.rank, reply.world, reply.group, reply.epoch
             )));
         }
         ring.links = Some(Links { next: next_stream, prev: prev_stream });
@@ -543,6 +573,8 @@ const STATUS_MALFORMED: u32 = 1;
 const STATUS_GROUP: u32 = 2;
 const STATUS_WORLD: u32 = 3;
 const STATUS_RANK: u32 = 4;
+const STATUS_STALE: u32 = 5;
+const STATUS_EPOCH: u32 = 6;
 
 fn status_text(status: u32) -> &'static str {
     match status {
@@ -550,16 +582,20 @@ fn status_text(status: u32) -> &'static str {
         STATUS_GROUP => "different group id",
         STATUS_WORLD => "different world size",
         STATUS_RANK => "not the rank it expects",
+        STATUS_STALE => "an earlier ring epoch",
+        STATUS_EPOCH => "a different ring epoch",
         _ => "unknown reason",
     }
 }
 
-/// A handshake: `magic | status u32 | 0 u32 | group u64 | rank u64 | world u64`, little-endian.
+/// A handshake: `magic | status u32 | epoch u32 | group u64 | rank u64 | world u64`, little-endian.
 /// The connecting rank sends one; the listening rank answers with its own, whose status says
 /// whether it accepted the connection.
 #[derive(Clone, Copy, Debug)]
 struct Hello {
     status: u32,
+    /// The ring epoch (a new ring of the same group after a failure).
+    epoch: u32,
     group: u64,
     rank: u64,
     world: u64,
@@ -570,6 +606,7 @@ impl Hello {
         let mut b = [0u8; HELLO_BYTES];
         b[0..8].copy_from_slice(&MAGIC);
         b[8..12].copy_from_slice(&self.status.to_le_bytes());
+        b[12..16].copy_from_slice(&self.epoch.to_le_bytes());
         b[16..24].copy_from_slice(&self.group.to_le_bytes());
         b[24..32].copy_from_slice(&self.rank.to_le_bytes());
         b[32..40].copy_from_slice(&self.world.to_le_bytes());
@@ -577,10 +614,10 @@ impl Hello {
     }
 
     fn decode(b: &[u8; HELLO_BYTES]) -> Option<Self> {
-        if b[0..8] != MAGIC || b[12..16] != [0; 4] {
+        if b[0..8] != MAGIC {
             return None;
         }
-        Some(Self { status: u32_at(b, 8), group: u64_at(b, 16), rank: u64_at(b, 24), world: u64_at(b, 32) })
+        Some(Self { status: u32_at(b, 8), epoch: u32_at(b, 12), group: u64_at(b, 16), rank: u64_at(b, 24), world: u64_at(b, 32) })
     }
 }
 

@@ -16,6 +16,7 @@ pub mod loader;
 pub mod nccl;
 pub mod output;
 pub mod probe;
+pub mod process;
 pub mod report;
 pub mod roundtrip;
 pub mod server;

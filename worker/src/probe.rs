@@ -44,6 +44,7 @@ impl std::str::FromStr for ProbeSpec {
         if tokens == 0 || latents == 0 {
             return Err(format!("probe `{s}`: T and S must be at least 1"));
         }
+        orchestrator_model::limits::check_probe(tokens, latents).map_err(|e| format!("probe `{s}`: {e}"))?;
         let seed = if parts.len() == 3 { num(2, "SEED")? } else { 0 };
         Ok(Self { tokens, latents, seed })
     }

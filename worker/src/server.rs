@@ -52,8 +52,11 @@ struct State {
     /// Abort came meanwhile (a stage abandoned by a coordinator that died can never land after
     /// its successor aborted or restaged).
     stage_epoch: u64,
+    /// The collective listener, bound at Assign and kept for the rank's life: every ring epoch
+    /// of its TP group is joined from it.
     listener: Option<RingListener>,
-    ring: Option<(u64, TcpRing)>,
+    /// The ring of the group, its id and epoch (a probe for another epoch replaces it).
+    ring: Option<(u64, u32, TcpRing)>,
     /// The NCCL communicator of a GPU worker's TP group.
     device_collectives: DeviceCollectives,
     load_seconds: f64,
@@ -105,6 +108,16 @@ fn weights_of(st: &State, shadow: bool) -> Result<(&RankWeights<AnyBackend>, &Lo
         let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
         Ok((st.weights.as_ref().ok_or_else(|| Status::failed_precondition("not loaded"))?, &plan.source))
     }
+}
+
+/// The versions a rank holds: active (empty before the first load) and staged (empty when
+/// nothing is staged). Every answer that can change or depend on them carries both.
+fn versions_of(st: &State) -> (String, String) {
+    let active = match (&st.plan, &st.weights) {
+        (Some(p), Some(_)) => p.source.version(),
+        _ => String::new(),
+    };
+    (active, st.shadow.as_ref().map(|(_, s)| s.version()).unwrap_or_default())
 }
 
 type ProgressStream = Pin<Box<dyn Stream<Item = Result<pb::LoadProgress, Status>> + Send>>;
@@ -183,6 +196,7 @@ impl WorkerService {
                     layers_total: total as u32,
                     finished: false,
                     load_seconds: 0.0,
+                    version: String::new(),
                 }));
             };
             let backend = &*backend;
@@ -216,6 +230,7 @@ impl WorkerService {
             let seconds = started.elapsed().as_secs_f64();
             match result {
                 Ok(w) => {
+                    let version = source.version();
                     let mut st = lock(&state);
                     if shadow {
                         if st.stage_epoch != epoch {
@@ -237,6 +252,7 @@ impl WorkerService {
                         layers_total: total as u32,
                         finished: true,
                         load_seconds: seconds,
+                        version,
                     }));
                 }
                 Err(status) => {
@@ -335,7 +351,15 @@ impl Worker for WorkerService {
     async fn commit(&self, request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
         let expected = request.into_inner().expected_version;
         let mut st = lock(&self.state);
-        let staged = st.shadow.as_ref().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?.1.version();
+        let (active, staged) = versions_of(&st);
+        // Idempotent: a commit whose answer was lost is asked again, and finds its version in place.
+        if st.shadow.is_none() && !expected.is_empty() && active == expected {
+            let generation = st.weights.as_ref().map_or(0, |w| w.generation);
+            return Ok(Response::new(pb::CommitResponse { checkpoint_version: active, generation, staged_version: String::new() }));
+        }
+        if st.shadow.is_none() {
+            return Err(Status::failed_precondition(format!("commit: nothing staged (holding version {active})")));
+        }
         if !expected.is_empty() && staged != expected {
             return Err(Status::failed_precondition(format!("commit: staged version {staged}, expected {expected}")));
         }
@@ -345,24 +369,45 @@ impl Worker for WorkerService {
             p.source = source;
         }
         st.weights = Some(w);
-        Ok(Response::new(pb::CommitResponse { checkpoint_version: staged, generation: st.weights.as_ref().map_or(0, |w| w.generation) }))
+        Ok(Response::new(pb::CommitResponse {
+            checkpoint_version: staged,
+            generation: st.weights.as_ref().map_or(0, |w| w.generation),
+            staged_version: String::new(),
+        }))
     }
 
     async fn abort(&self, _request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
         let mut st = lock(&self.state);
         st.shadow = None;
         st.stage_epoch += 1;
-        Ok(Response::new(pb::AbortResponse {}))
+        Ok(Response::new(pb::AbortResponse { checkpoint_version: versions_of(&st).0 }))
     }
 
     async fn report(&self, request: Request<pb::ReportRequest>) -> Result<Response<pb::RankReport>, Status> {
-        let shadow = request.into_inner().shadow;
+        let pb::ReportRequest { shadow, brief } = request.into_inner();
         let state = self.state.clone();
         let host = self.host.clone();
         let backend = self.backend.clone();
         tokio::task::spawn_blocking(move || {
             let st = lock(&state);
             let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+            if brief {
+                let (checkpoint_version, staged_version) = versions_of(&st);
+                return Ok(Response::new(pb::RankReport {
+                    tp_size: plan.tp_size as u32,
+                    tp_rank: plan.tp_rank as u32,
+                    dp_size: plan.dp_size as u32,
+                    dp_rank: plan.dp_rank as u32,
+                    host: host.clone(),
+                    device: backend.name(),
+                    pid: std::process::id(),
+                    checkpoint_version,
+                    staged_version,
+                    generation: st.weights.as_ref().map_or(0, |w| w.generation),
+                    round_trip_failures: vec!["not checked (brief report)".into()],
+                    ..Default::default()
+                }));
+            }
             let (w, source) = weights_of(&st, shadow)?;
             let rt = check_rank(&*backend, w, source);
             let id = &w.identity;
@@ -406,7 +451,7 @@ impl Worker for WorkerService {
                 round_trip_failures: rt.failures,
                 load_seconds: st.load_seconds,
                 generation: w.generation,
-                staged_version: st.shadow.as_ref().map(|(_, s)| s.version()).unwrap_or_default(),
+                staged_version: versions_of(&st).1,
             }))
         })
         .await
@@ -423,13 +468,13 @@ impl Worker for WorkerService {
             let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
             let (w, source) = weights_of(st, r.shadow)?;
             let spec = ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
-            if spec.tokens == 0 || spec.latents == 0 {
-                return Err(Status::invalid_argument("probe: tokens and latents must be at least 1"));
-            }
+            orchestrator_model::limits::check_probe(spec.tokens, spec.latents)
+                .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
             let loader = RankLoader::new(&*backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule)
                 .map_err(|e| Status::internal(e.to_string()))?;
             let p = probe_rank_with(&loader, w, source, spec, plan.rule, !r.skip_reference)
                 .map_err(|e| Status::internal(format!("probe: {e}")))?;
+            let probed_version = source.version();
             // The TP all-reduce of y_partial, in rank order.
             let started = Instant::now();
             let mut y = p.y_partial.clone();
@@ -441,27 +486,31 @@ impl Worker for WorkerService {
                     .map_err(|e| Status::unavailable(format!("all-reduce: {e}")))?;
             } else if plan.tp_size > 1 {
                 let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms as u64 });
-                if st.ring.as_ref().is_none_or(|(g, _)| *g != r.group) {
+                if st.ring.as_ref().is_none_or(|(g, e, _)| (*g, *e) != (r.group, r.ring_epoch)) {
+                    // A new group or epoch (after a failure): drop the old ring, join the new one.
+                    st.ring = None;
                     let peers: Vec<SocketAddr> = r
                         .peers
                         .iter()
                         .map(|a| a.parse().map_err(|e| Status::invalid_argument(format!("peer address `{a}`: {e}"))))
                         .collect::<Result<_, _>>()?;
-                    let listener = st
-                        .listener
-                        .take()
-                        .ok_or_else(|| Status::failed_precondition("collective listener already used for another group"))?;
+                    let listener =
+                        st.listener.as_ref().ok_or_else(|| Status::failed_precondition("no collective listener (call Assign first)"))?;
                     let ring = listener
-                        .connect(r.group, plan.tp_rank, &peers, timeout)
-                        .map_err(|e| Status::unavailable(format!("collective: {e}")))?;
-                    st.ring = Some((r.group, ring));
+                        .connect_epoch(r.group, r.ring_epoch, plan.tp_rank, &peers, timeout)
+                        .map_err(|e| Status::unavailable(format!("collective (epoch {}): {e}", r.ring_epoch)))?;
+                    st.ring = Some((r.group, r.ring_epoch, ring));
                 }
-                let (_, ring) = st.ring.as_mut().expect("ring set above");
+                let (_, _, ring) = st.ring.as_mut().expect("ring set above");
                 ring.all_reduce_sum(&mut y).map_err(|e| Status::unavailable(format!("all-reduce: {e}")))?;
             } else {
                 LocalCollective.all_reduce_sum(&mut y).map_err(|e| Status::internal(e.to_string()))?;
             }
+            let (checkpoint_version, staged_version) = versions_of(st);
             Ok(Response::new(pb::ProbeResult {
+                probed_version,
+                checkpoint_version,
+                staged_version,
                 ok: p.ok,
                 q_mismatches: p.layers.iter().map(|l| l.q_mismatches as u64).sum(),
                 z_max_abs_err: p.z_max_abs_err,
@@ -518,6 +567,7 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
 
     if let Some(coord) = coordinator.clone() {
         let mut client = CoordinatorClient::new(crate::tls::connect(&coord, tls.as_ref()).await?);
+        let me = crate::process::ProcessIdentity::of_self();
         let registration = pb::RegisterRequest {
             worker_id,
             address: format!("{}://{address}", crate::tls::scheme(tls.as_ref())),
@@ -525,6 +575,9 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             device,
             pid: std::process::id(),
             protocol_version: orchestrator_proto::PROTOCOL_VERSION,
+            start_ticks: me.start_ticks,
+            boot_id: me.boot_id,
+            executable: me.executable.display().to_string(),
         };
         let req = crate::auth::request(registration.clone(), RPC_DEADLINE, token.as_ref());
         client.register(req).await.map_err(|s| anyhow::anyhow!("registering with {coord}: {}", s.message()))?;

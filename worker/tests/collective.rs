@@ -355,3 +355,53 @@ fn bad_arguments_are_errors() {
     let e = ls.pop().expect("listener").connect(GROUP, 0, &[], CONNECT_TIMEOUT).expect_err("no peers");
     assert!(matches!(e, CollectiveError::InvalidGroup { .. }), "{e}");
 }
+
+/// A ring that failed is replaced by a new epoch from the same listeners: the ranks meet again
+/// and sum exactly, and a connection left over from the failed epoch is refused and skipped.
+#[test]
+fn a_new_epoch_rebuilds_a_failed_ring_from_the_same_listeners() {
+    let n = 3;
+    let (ls, peers) = listeners(n);
+    let ls: Vec<std::sync::Arc<RingListener>> = ls.into_iter().map(std::sync::Arc::new).collect();
+    let epoch0 = {
+        let peers = peers.clone();
+        on_threads(ls.clone(), move |rank, l| l.connect_epoch(GROUP, 0, rank, &peers, CONNECT_TIMEOUT).expect("epoch 0"))
+    };
+    // Rank 2 drops out mid-operation: epoch 0 breaks on every survivor.
+    let items: Vec<(usize, TcpRing)> = epoch0.into_iter().enumerate().collect();
+    let broken = on_threads(items, move |_, (rank, ring)| {
+        if rank == 2 {
+            thread::sleep(Duration::from_millis(100));
+            return true;
+        }
+        let mut data = vector(rank as u64, 8);
+        ring.with_timeout(Duration::from_secs(1)).all_reduce_sum(&mut data).is_err()
+    });
+    assert!(broken.iter().all(|b| *b), "{broken:?}");
+    // A straggler of epoch 0 knocks on rank 0's listener before epoch 1 starts.
+    let mut stale = TcpStream::connect(peers[0]).expect("stale connect");
+    let mut hello = [0u8; 40];
+    hello[..8].copy_from_slice(b"orcring1");
+    hello[16..24].copy_from_slice(&GROUP.to_le_bytes());
+    hello[24..32].copy_from_slice(&2u64.to_le_bytes());
+    hello[32..40].copy_from_slice(&3u64.to_le_bytes());
+    stale.write_all(&hello).expect("stale hello");
+    let rings = {
+        let peers = peers.clone();
+        on_threads(ls, move |rank, l| l.connect_epoch(GROUP, 1, rank, &peers, CONNECT_TIMEOUT).expect("epoch 1"))
+    };
+    check_sum(rings, 1000, 7);
+    // The straggler was told it belongs to an earlier epoch (status 5), not left waiting.
+    stale.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut answer = [0u8; 40];
+    stale.read_exact(&mut answer).expect("the straggler gets an answer");
+    assert_eq!(u32::from_le_bytes(answer[8..12].try_into().unwrap()), 5);
+}
+
+/// A rank asked to join an epoch its peer has not reached fails naming the epochs.
+#[test]
+fn a_later_epoch_is_refused_in_the_handshake() {
+    let (ls, peers) = listeners(2);
+    let results = on_threads(ls, move |rank, l| l.connect_epoch(GROUP, 3 - rank as u32, rank, &peers, Duration::from_secs(3)).map(|_| ()));
+    assert!(results.iter().any(|r| matches!(r, Err(CollectiveError::Handshake { reason, .. }) if reason.contains("epoch"))), "{results:?}");
+}

@@ -1,0 +1,26 @@
+//! Every deadline, interval and message bound of the control plane, named once and used by both
+//! sides of each call. (Sizes of models, clusters and probes are in `orchestrator_model::limits`.)
+
+use std::time::Duration;
+
+/// How often a worker heartbeats to its coordinator.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_millis(500);
+/// A worker that misses heartbeats this long has stalled: its replica leaves rotation.
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(4);
+/// The deadline of every socket read and write of a probe's TP ring (and of joining it).
+pub const RING_TIMEOUT: Duration = Duration::from_secs(10);
+/// The deadline of one Commit call; a decided commit is asked again until it is confirmed.
+pub const COMMIT_CALL_DEADLINE: Duration = Duration::from_secs(5);
+/// How long an update drives a decided commit before it reports the ranks that did not confirm
+/// (the replica then stays out of rotation and the commit is finished when they answer).
+pub const COMMIT_DRIVE_LIMIT: Duration = Duration::from_secs(20);
+/// Pause between attempts to drive a decided commit.
+pub const COMMIT_RETRY: Duration = Duration::from_millis(200);
+/// How often the coordinator's health loop looks at every replica.
+pub const HEALTH_INTERVAL: Duration = Duration::from_millis(250);
+/// The least time between two attempts to bring a replica back into rotation.
+pub const REINSTATE_BACKOFF: Duration = Duration::from_secs(1);
+/// The largest gRPC message either side decodes.
+pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
+/// The largest path a request may name (Linux's PATH_MAX).
+pub const MAX_PATH_BYTES: usize = 4096;
