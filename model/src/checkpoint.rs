@@ -15,7 +15,10 @@ use serde_json::Value;
 
 use crate::ModelError;
 use crate::config::ModelConfig;
-use crate::names::TensorSpec;
+use crate::geometry::WeightFormat;
+use crate::names::{TensorSpec, checkpoint_tensors};
+use crate::roots::AllowedRoots;
+use orchestrator_kernels::Digest;
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -28,6 +31,10 @@ pub struct Checkpoint {
     index_file: PathBuf,
     weight_map: BTreeMap<String, String>,
     shards: Mutex<HashMap<String, Arc<Shard>>>,
+    /// Set by [`Checkpoint::open_within`]: a shard opened later is checked again.
+    roots: Option<AllowedRoots>,
+    /// See [`Checkpoint::content_version`].
+    content_version: String,
 }
 
 /// One memory-mapped shard file with its parsed header.
@@ -186,25 +193,126 @@ impl Checkpoint {
     /// Opens a checkpoint directory: reads `config.json` and the index (or, for a single-file
     /// export without an index, the header of `model.safetensors`).
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        Self::open_inner(dir.to_path_buf(), None)
+    }
+
+    /// [`Checkpoint::open`] of a directory that must lie under `roots`, and so must every file
+    /// it is read from: the directory, `config.json`, the index and every shard file the index
+    /// names are resolved (symlinks followed) and any that resolves outside the roots is
+    /// refused with [`ModelError::Roots`] ([`crate::RootsError::Outside`] naming the file and where it
+    /// resolves to). A file that does not exist is left to the usual error when it is read. The
+    /// checkpoint's directory is the canonical one.
+    pub fn open_within(dir: &Path, roots: &AllowedRoots) -> Result<Self, ModelError> {
+        let canonical = roots.check(dir)?;
+        Self::open_inner(canonical, Some(roots.clone()))
+    }
+
+    fn open_inner(dir: PathBuf, roots: Option<AllowedRoots>) -> Result<Self, ModelError> {
         if !dir.is_dir() {
             return Err(ModelError::Io {
-                path: dir.to_path_buf(),
+                path: dir.clone(),
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "checkpoint directory does not exist"),
             });
         }
-        let config = ModelConfig::read(&dir.join(CONFIG_FILE))?;
+        let admit = |path: &Path| -> Result<(), ModelError> {
+            if let Some(r) = &roots {
+                r.check_file(path)?;
+            }
+            Ok(())
+        };
+        let config_file = dir.join(CONFIG_FILE);
+        admit(&config_file)?;
+        let config = ModelConfig::read(&config_file)?;
         let index_file = dir.join(INDEX_FILE);
         let shards = Mutex::new(HashMap::new());
         let weight_map = if index_file.exists() {
-            read_index(&index_file)?
+            admit(&index_file)?;
+            let map = read_index(&index_file)?;
+            let files: std::collections::BTreeSet<&String> = map.values().collect();
+            for f in files {
+                admit(&dir.join(f))?;
+            }
+            map
         } else {
             let single = dir.join(SINGLE_FILE);
+            admit(&single)?;
             let shard = Shard::open(&single, "(any)")?;
             let map = shard.names().map(|n| (n.to_string(), SINGLE_FILE.to_string())).collect();
             shards.lock().unwrap_or_else(|p| p.into_inner()).insert(SINGLE_FILE.to_string(), Arc::new(shard));
             map
         };
-        Ok(Self { dir: dir.to_path_buf(), config, index_file, weight_map, shards })
+        let mut ck = Self { dir, config, index_file, weight_map, shards, roots, content_version: String::new() };
+        ck.content_version = Digest::of(ck.content_text().as_bytes()).hex();
+        Ok(ck)
+    }
+
+    /// The checkpoint's version: a digest of its content, computed once when it is opened
+    /// (from the bytes mapped then, which are the bytes a load reads), 16 lowercase hex digits.
+    ///
+    /// Definition: XXH3-64 (seed 0) of the UTF-8 text
+    ///
+    /// ```text
+    /// orchestrator checkpoint content v1
+    /// geometry hidden={hidden} layers={layers} heads={heads} kv_heads={kv_heads} head_dim={head_dim} rope_dim={rope_dim} q_lora_rank={q} o_lora_rank={o} o_groups={g}
+    /// format fp8 block={rows}x{cols}        (or: format bf16)
+    /// {name} {dtype} [{d0},{d1},...] {xxh3}  one line per in-scope tensor, sorted by name (bytes)
+    /// ```
+    ///
+    /// where the in-scope tensors are those the geometry and format define (spec section 3:
+    /// `wq_b`, `wo_a`, `wo_b` weights and scales, `attn_sink`, every layer), `{dtype}` and the
+    /// shape are as the shard's header stores them (`F8_E4M3`, `F8_E8M0`, `BF16`, `F32`), and
+    /// `{xxh3}` is XXH3-64 of the tensor's stored bytes as 16 lowercase hex digits (spec section
+    /// 9). A tensor that cannot be read has the line `{name} missing` (not in the index or not in
+    /// its shard's header) or `{name} unreadable` (its shard does not open); loading it reports
+    /// why. Every line ends with `\n`. The JSON text of `config.json` and of the index does not
+    /// enter: two checkpoints with the same tensors have the same version wherever they lie
+    /// and however their JSON is formatted; different weights give different versions.
+    /// Tensors are hashed in parallel.
+    pub fn content_version(&self) -> &str {
+        &self.content_version
+    }
+
+    /// The text [`Checkpoint::content_version`] hashes.
+    fn content_text(&self) -> String {
+        use rayon::prelude::*;
+        let g = &self.config.geometry;
+        let mut text = format!(
+            "orchestrator checkpoint content v1\ngeometry hidden={} layers={} heads={} kv_heads={} head_dim={} rope_dim={} \
+             q_lora_rank={} o_lora_rank={} o_groups={}\n",
+            g.hidden, g.layers, g.heads, g.kv_heads, g.head_dim, g.rope_dim, g.q_lora_rank, g.o_lora_rank, g.o_groups
+        );
+        match self.config.format {
+            WeightFormat::Fp8 { block: [a, b] } => text.push_str(&format!("format fp8 block={a}x{b}\n")),
+            WeightFormat::Bf16 => text.push_str("format bf16\n"),
+        }
+        let mut specs = checkpoint_tensors(g, self.config.format);
+        specs.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
+        // Open each shard once (in order), then hash the tensors in parallel.
+        let mut files: Vec<&String> = specs.iter().filter_map(|s| self.weight_map.get(&s.name)).collect();
+        files.sort();
+        files.dedup();
+        let opened: HashMap<&str, Option<Arc<Shard>>> = files
+            .into_iter()
+            .map(|f| {
+                let any = self.weight_map.iter().find(|(_, v)| *v == f).map(|(k, _)| k.as_str()).unwrap_or("(any)");
+                (f.as_str(), self.shard_of(any).ok())
+            })
+            .collect();
+        let lines: Vec<String> = specs
+            .par_iter()
+            .map(|spec| {
+                let name = &spec.name;
+                let Some(file) = self.weight_map.get(name) else { return format!("{name} missing\n") };
+                let Some(shard) = opened.get(file.as_str()).and_then(Option::as_ref) else { return format!("{name} unreadable\n") };
+                let (Some(info), Some(bytes)) = (shard.info(name), shard.bytes(name)) else { return format!("{name} missing\n") };
+                let shape = info.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
+                format!("{name} {:?} [{shape}] {}\n", info.dtype, Digest::of(bytes).hex())
+            })
+            .collect();
+        for l in lines {
+            text.push_str(&l);
+        }
+        text
     }
 
     pub fn dir(&self) -> &Path {
@@ -233,7 +341,11 @@ impl Checkpoint {
         if let Some(s) = self.shards.lock().unwrap_or_else(|p| p.into_inner()).get(file) {
             return Ok(s.clone());
         }
-        let shard = Arc::new(Shard::open(&self.dir.join(file), tensor)?);
+        let path = self.dir.join(file);
+        if let Some(roots) = &self.roots {
+            roots.check_file(&path)?;
+        }
+        let shard = Arc::new(Shard::open(&path, tensor)?);
         let mut map = self.shards.lock().unwrap_or_else(|p| p.into_inner());
         Ok(map.entry(file.clone()).or_insert(shard).clone())
     }

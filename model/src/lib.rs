@@ -10,6 +10,7 @@ pub mod inspect;
 pub mod limits;
 pub mod names;
 pub mod plan;
+pub mod roots;
 pub mod synth;
 
 use std::path::PathBuf;
@@ -20,6 +21,7 @@ pub use generator::Generator;
 pub use geometry::{Family, Geometry, Preset, WeightFormat};
 pub use names::{Param, Part, TensorSpec};
 pub use plan::RankShard;
+pub use roots::{AllowedRoots, RootsError};
 
 /// Errors of geometry, configuration and checkpoint I/O. Every variant about a checkpoint
 /// names the file and, where one is involved, the tensor.
@@ -59,6 +61,10 @@ pub enum ModelError {
     NanScale { file: PathBuf, tensor: String, row: usize, col: usize },
     #[error("{file}: tensor `{tensor}` has a non-finite value at [{row}, {col}]")]
     NonFinite { file: PathBuf, tensor: String, row: usize, col: usize },
+    /// A checkpoint file (or the directory) outside the allowed roots; names the file and
+    /// where it resolves to.
+    #[error(transparent)]
+    Roots(#[from] RootsError),
     #[error("writing {path}: {why}")]
     Write { path: PathBuf, why: String },
 }

@@ -2,7 +2,7 @@
 //! without it, or with a wrong one, is refused with `Unauthenticated`), and the directories a
 //! worker may read checkpoints from.
 
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -99,40 +99,26 @@ pub fn request<T>(message: T, deadline: Duration, token: Option<&Token>) -> Requ
     r
 }
 
-/// The directories a worker may read checkpoints from.
-#[derive(Clone, Debug, Default)]
-pub struct AllowedRoots(Vec<PathBuf>);
+/// The directories a worker may read checkpoints from (in the model crate, which checks every
+/// file of a checkpoint against them: [`orchestrator_model::Checkpoint::open_within`]).
+pub use orchestrator_model::AllowedRoots;
+pub use orchestrator_model::RootsError;
 
-impl AllowedRoots {
-    /// Canonicalizes each root (each must exist).
-    pub fn new(roots: &[PathBuf]) -> Result<Self, AuthError> {
-        roots
-            .iter()
-            .map(|r| r.canonicalize().map_err(|e| AuthError::Path { path: r.clone(), why: format!("allowed root: {e}") }))
-            .collect::<Result<_, _>>()
-            .map(Self)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// The canonical checkpoint directory, if it lies under an allowed root: a path with `..`
-    /// is refused outright, and symlinks are resolved before the check, so none can escape.
-    pub fn check(&self, path: &Path) -> Result<PathBuf, AuthError> {
-        let err = |why: String| AuthError::Path { path: path.to_path_buf(), why };
-        if path.components().any(|c| c == Component::ParentDir) {
-            return Err(err("`..` is not allowed in checkpoint paths".into()));
-        }
-        let canonical = path.canonicalize().map_err(|e| err(e.to_string()))?;
-        if self.0.iter().any(|root| canonical.starts_with(root)) {
-            Ok(canonical)
-        } else if self.0.is_empty() {
-            Err(err("this worker has no --allow-root: it reads no checkpoint directories".into()))
-        } else {
-            let roots: Vec<String> = self.0.iter().map(|r| r.display().to_string()).collect();
-            Err(err(format!("resolves to {}, outside the allowed roots ({})", canonical.display(), roots.join(", "))))
-        }
+impl From<RootsError> for AuthError {
+    fn from(e: RootsError) -> Self {
+        let path = e.path().to_path_buf();
+        let why = match &e {
+            RootsError::Root { source, .. } => format!("allowed root: {source}"),
+            RootsError::DotDot { .. } => "`..` is not allowed in checkpoint paths".into(),
+            RootsError::Unresolvable { source, .. } => source.to_string(),
+            RootsError::NoRoots { .. } => "this worker has no --allow-root: it reads no checkpoint directories".into(),
+            RootsError::Outside { resolved, roots, .. } => format!(
+                "resolves to {}, outside the allowed roots ({})",
+                resolved.display(),
+                roots.iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ")
+            ),
+        };
+        AuthError::Path { path, why }
     }
 }
 

@@ -81,13 +81,14 @@ fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "localhost".into())
 }
 
-/// Builds the load source a request names; a checkpoint directory must lie under `roots`.
+/// Builds the load source a request names; a checkpoint directory, and every file it is read
+/// from (config, index, each shard, symlinks resolved), must lie under `roots`.
 pub fn source_from(pb_source: Option<&pb::LoadSource>, roots: &AllowedRoots) -> Result<LoadSource, Status> {
     match pb_source.and_then(|s| s.kind.as_ref()) {
-        Some(Kind::CheckpointDir(dir)) => {
-            let dir = roots.check(std::path::Path::new(dir)).map_err(|e| Status::permission_denied(e.to_string()))?;
-            LoadSource::open_checkpoint(&dir).map_err(|e| Status::invalid_argument(format!("source: {e}")))
-        }
+        Some(Kind::CheckpointDir(dir)) => LoadSource::open_checkpoint_within(std::path::Path::new(dir), roots).map_err(|e| match e {
+            orchestrator_model::ModelError::Roots(e) => Status::permission_denied(e.to_string()),
+            e => Status::invalid_argument(format!("source: {e}")),
+        }),
         Some(Kind::Dummy(d)) => {
             let preset = d.preset.parse().map_err(|e| Status::invalid_argument(format!("source.dummy.preset: {e}")))?;
             let layers = (d.layers > 0).then_some(d.layers as usize);

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use orchestrator_model::checkpoint::Shard;
 
-use orchestrator_model::{Checkpoint, Generator, ModelConfig, ModelError, TensorSpec};
+use orchestrator_model::{AllowedRoots, Checkpoint, Generator, ModelConfig, ModelError, TensorSpec};
 
 /// A load format with its data.
 pub enum LoadSource {
@@ -21,6 +21,12 @@ pub enum LoadSource {
 impl LoadSource {
     pub fn open_checkpoint(dir: &Path) -> Result<Self, ModelError> {
         Ok(Self::Safetensors(Checkpoint::open(dir)?))
+    }
+
+    /// A checkpoint directory every file of which lies under `roots`
+    /// ([`Checkpoint::open_within`]).
+    pub fn open_checkpoint_within(dir: &Path, roots: &AllowedRoots) -> Result<Self, ModelError> {
+        Ok(Self::Safetensors(Checkpoint::open_within(dir, roots)?))
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -46,18 +52,13 @@ impl LoadSource {
         }
     }
 
-    /// The checkpoint version: XXH3-64 of `config.json` and the index (for a dummy source, of
-    /// its configuration and seed), as 16 hex digits.
+    /// The checkpoint version, 16 hex digits: for a checkpoint, its content digest over the
+    /// in-scope tensors' bytes, dtypes and shapes plus geometry and format, computed once when it
+    /// was opened ([`Checkpoint::content_version`]; editing `config.json` afterwards changes
+    /// nothing); for a dummy source, XXH3-64 of its configuration and seed.
     pub fn version(&self) -> String {
         match self {
-            LoadSource::Safetensors(c) => {
-                let read = |name: &str| std::fs::read(c.dir().join(name)).unwrap_or_default();
-                orchestrator_kernels::Digest::of_parts([
-                    read(orchestrator_model::checkpoint::CONFIG_FILE).as_slice(),
-                    read(orchestrator_model::checkpoint::INDEX_FILE).as_slice(),
-                ])
-                .hex()
-            }
+            LoadSource::Safetensors(c) => c.content_version().to_string(),
             LoadSource::Dummy { config, generator } => {
                 let text = format!("dummy\n{:?}\n{:?}\nseed={}\n", config.geometry, config.format, generator.seed);
                 orchestrator_kernels::Digest::of(text.as_bytes()).hex()
