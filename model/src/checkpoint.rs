@@ -70,6 +70,14 @@ impl Shard {
                 ),
             });
         }
+        if let Some(json) = mmap.get(..8).and_then(|b| {
+            let n = usize::try_from(u64::from_le_bytes(b.try_into().ok()?)).ok()?;
+            mmap.get(8..8usize.checked_add(n)?)
+        }) && let Ok(json) = std::str::from_utf8(json)
+            && let Err(e) = header_scan::scan(json)
+        {
+            return Err(ModelError::MalformedHeader { file: path.to_path_buf(), tensor: wanted.to_string(), why: e.to_string() });
+        }
         let (n, metadata) = SafeTensors::read_metadata(&mmap).map_err(|e| diagnose(path, &mmap, e, wanted))?;
         let tensors = tensor_infos(&metadata);
         Ok(Self { path: path.to_path_buf(), mmap, data_start: 8 + n, tensors })
@@ -93,6 +101,159 @@ impl Shard {
         let info = self.tensors.get(name)?;
         let (a, b) = info.data_offsets;
         self.mmap.get(self.data_start + a..self.data_start + b)
+    }
+}
+
+/// A pass over a safetensors JSON header before the `safetensors` crate parses it, allocating
+/// nothing but key names. The crate buffers every header entry into an in-memory tree first (its
+/// header type has a flattened map), where a JSON array costs 16 to 32 times its text; this pass
+/// refuses what would make that tree, or the parsed tensor infos, larger than a small multiple
+/// of the header: a tensor entry that is not an object of `dtype` (a string), `shape` (at most
+/// [`crate::limits::MAX_TENSOR_DIMS`] integers) and `data_offsets` (two integers), and a
+/// `__metadata__` that is not a map of at most [`crate::limits::MAX_HEADER_METADATA_ENTRIES`]
+/// strings. Whatever passes is still checked by the crate (offsets, sizes, dtypes).
+mod header_scan {
+    use std::fmt;
+
+    use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+    use crate::limits::{MAX_HEADER_METADATA_ENTRIES, MAX_TENSOR_DIMS};
+
+    pub fn scan(json: &str) -> Result<(), serde_json::Error> {
+        let mut de = serde_json::Deserializer::from_str(json);
+        de.deserialize_map(Header)?;
+        de.end()
+    }
+
+    struct Header;
+    impl<'de> Visitor<'de> for Header {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a header object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while let Some(key) = map.next_key::<String>()? {
+                if key == "__metadata__" {
+                    map.next_value_seed(Metadata)?;
+                } else {
+                    map.next_value_seed(Tensor(&key))?;
+                }
+            }
+            Ok(())
+        }
+    }
+
+    /// A string, not kept.
+    struct Str;
+    impl<'de> de::Deserialize<'de> for Str {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Str;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("a string")
+                }
+                fn visit_str<E: de::Error>(self, _: &str) -> Result<Str, E> {
+                    Ok(Str)
+                }
+            }
+            d.deserialize_str(V)
+        }
+    }
+
+    struct Metadata;
+    impl<'de> DeserializeSeed<'de> for Metadata {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Metadata {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("`__metadata__`: a map of strings")
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            let mut n = 0usize;
+            while map.next_key::<IgnoredAny>()?.is_some() {
+                map.next_value::<Str>()?;
+                n += 1;
+                if n > MAX_HEADER_METADATA_ENTRIES {
+                    return Err(de::Error::custom(format_args!(
+                        "`__metadata__` has more than {MAX_HEADER_METADATA_ENTRIES} entries (limits::MAX_HEADER_METADATA_ENTRIES)"
+                    )));
+                }
+            }
+            Ok(())
+        }
+    }
+
+    struct Tensor<'k>(&'k str);
+    impl<'de> DeserializeSeed<'de> for Tensor<'_> {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Tensor<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            write!(f, "tensor `{}`: an object of dtype, shape and data_offsets", self.0)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while let Some(key) = map.next_key::<String>()? {
+                match key.as_str() {
+                    "dtype" => {
+                        map.next_value::<Str>()?;
+                    }
+                    "shape" => map.next_value_seed(Ints { tensor: self.0, field: "shape", max: MAX_TENSOR_DIMS })?,
+                    "data_offsets" => map.next_value_seed(Ints { tensor: self.0, field: "data_offsets", max: 2 })?,
+                    other => {
+                        return Err(de::Error::custom(format_args!(
+                            "tensor `{}` has an unknown field `{}`",
+                            self.0,
+                            crate::config::excerpt(other)
+                        )));
+                    }
+                }
+            }
+            Ok(())
+        }
+    }
+
+    /// An array of at most `max` non-negative integers.
+    struct Ints<'k> {
+        tensor: &'k str,
+        field: &'static str,
+        max: usize,
+    }
+    impl<'de> DeserializeSeed<'de> for Ints<'_> {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_seq(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Ints<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            write!(f, "tensor `{}`: `{}`, an array of at most {} integers", self.tensor, self.field, self.max)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            let mut n = 0usize;
+            while seq.next_element::<u64>()?.is_some() {
+                n += 1;
+                if n > self.max {
+                    return Err(de::Error::custom(format_args!(
+                        "tensor `{}`: `{}` has more than {} entries",
+                        self.tensor, self.field, self.max
+                    )));
+                }
+            }
+            Ok(())
+        }
     }
 }
 
