@@ -155,6 +155,8 @@ mod tests {
         let roots = AllowedRoots::new(std::slice::from_ref(&root)).unwrap();
         assert_eq!(roots.check(&inside).unwrap(), inside.canonicalize().unwrap());
         assert!(roots.check(&outside).is_err());
+        let e: AuthError = roots.check(&outside).unwrap_err().into();
+        assert!(matches!(&e, AuthError::Path { path, why } if path == &outside && why.contains("outside the allowed roots")), "{e:?}");
         assert!(roots.check(&root.join("ckpt/../ckpt")).is_err(), "`..` is refused");
         #[cfg(unix)]
         {

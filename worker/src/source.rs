@@ -119,3 +119,30 @@ impl Fetched {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orchestrator_model::synth::{SynthOptions, write_checkpoint};
+    use orchestrator_model::{Preset, RootsError};
+
+    #[test]
+    fn versions_are_content_digests_and_roots_cover_every_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let dir = root.join("ckpt");
+        let config = ModelConfig::from_preset(Preset::Tiny, Some(1), false).unwrap();
+        write_checkpoint(&dir, &SynthOptions { config: config.clone(), seed: 4, max_shard_bytes: 1 << 30, preset_name: None }).unwrap();
+        let roots = AllowedRoots::new(std::slice::from_ref(&root)).unwrap();
+        let source = LoadSource::open_checkpoint_within(&dir, &roots).unwrap();
+        let LoadSource::Safetensors(ck) = &source else { unreachable!() };
+        assert_eq!(source.version(), ck.content_version());
+        assert_eq!(source.version(), LoadSource::open_checkpoint(&dir).unwrap().version());
+        // The dummy source keeps its parameter hash.
+        let dummy = LoadSource::Dummy { config, generator: Generator::new(4) };
+        assert_eq!(dummy.version().len(), 16);
+        assert_ne!(dummy.version(), source.version());
+        let err = LoadSource::open_checkpoint_within(&dir, &AllowedRoots::default()).err().unwrap();
+        assert!(matches!(err, ModelError::Roots(RootsError::NoRoots { .. })), "{err:?}");
+    }
+}
