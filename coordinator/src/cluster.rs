@@ -336,7 +336,7 @@ impl Cluster {
 
     /// Whether a rank is down: `None` while it runs and heartbeats; else whether it is dead
     /// (its process is gone) and why.
-    pub async fn health(&self, w: &WorkerHandle) -> Option<(bool, String)> {
+    pub async fn health(&self, w: &WorkerHandle) -> crate::rollout::RankHealth {
         if let Some(how) = w.process.exited().await {
             return Some((true, format!("{} {how}", w.label())));
         }
@@ -358,7 +358,7 @@ impl Cluster {
     }
 
     /// The ranks of replica `dp` that are down, each with whether it is dead and why.
-    pub async fn down_in(&self, dp: u32) -> Vec<Option<(bool, String)>> {
+    pub async fn down_in(&self, dp: u32) -> Vec<crate::rollout::RankHealth> {
         let mut out = Vec::new();
         for w in self.workers.iter().filter(|w| w.dp == dp) {
             out.push(self.health(w).await);

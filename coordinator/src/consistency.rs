@@ -545,6 +545,41 @@ mod tests {
         assert!(failed.contains(&"every DP replica has the same y"), "{failed:?}");
     }
 
+    /// At TP 16, a finding about rank tp12 names tp12 alone: verdicts go by rank identity, so
+    /// "rank dp0/tp1" is not a prefix match for "rank dp0/tp12" (a false alarm before).
+    #[test]
+    fn a_finding_marks_only_the_ranks_it_names() {
+        let rows: Vec<RankRow> = (0..16)
+            .map(|tp| {
+                let r = pb::RankReport {
+                    tp_rank: tp,
+                    tp_size: 16,
+                    dp_size: 1,
+                    checkpoint_version: "va".into(),
+                    round_trip_ok: tp != 12,
+                    round_trip_failures: if tp == 12 { vec!["layers.0.attn.wq_b.weight differs".into()] } else { vec![] },
+                    kernel_rank_digest: format!("tp{tp}"),
+                    ..Default::default()
+                };
+                row(tp, &r, None)
+            })
+            .collect();
+        let golden: BTreeMap<u32, BTreeMap<String, String>> = (0..16)
+            .map(|tp| (tp, BTreeMap::from([("layers.0.attn.wq_b.weight".to_string(), if tp == 12 { "good".into() } else { "x".into() })])))
+            .collect();
+        let mut rows = rows;
+        for r in &mut rows {
+            r.kernel_tensors.insert("layers.0.attn.wq_b.weight".into(), "x".into());
+        }
+        let report = evaluate(16, 1, "t".into(), rows, Some(&golden), BTreeMap::new(), false);
+        let failed: Vec<u32> = report.ranks.iter().filter(|r| r.verdict != "ok").map(|r| r.tp).collect();
+        assert_eq!(failed, [12], "{}", report.render());
+        let golden_rule = report.rules.iter().find(|r| r.rule.starts_with("kernel digests equal")).unwrap();
+        assert_eq!(golden_rule.details.len(), 1);
+        assert_eq!(golden_rule.details[0].ranks, [RankId { dp: 0, tp: 12 }]);
+        assert_eq!(golden_rule.details[0].tensor.as_deref(), Some("layers.0.attn.wq_b.weight"));
+    }
+
     /// A rank with a staged version says so on its row and in the JSON; one without does not.
     #[test]
     fn staged_versions_are_shown() {

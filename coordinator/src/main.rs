@@ -399,8 +399,11 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
             None => launch::default_checkpoint()?,
         };
         let dir = dir.canonicalize().with_context(|| format!("checkpoint {}", dir.display()))?;
-        let local =
-            orchestrator_worker::LoadSource::open_checkpoint(&dir).with_context(|| format!("opening checkpoint {}", dir.display()))?;
+        // The checkpoint's own folder (for a Hugging Face hub snapshot: its repo folder, where
+        // the snapshot's symlinks point) is allowed; every file must lie under it.
+        let own = orchestrator_worker::auth::AllowedRoots::for_checkpoint(&dir)?;
+        let local = orchestrator_worker::LoadSource::open_checkpoint_within(&dir, &own)
+            .with_context(|| format!("opening checkpoint {}", dir.display()))?;
         let src = pb::LoadSource { kind: Some(pb::load_source::Kind::CheckpointDir(dir.display().to_string())) };
         (src, local, format!("checkpoint {}", dir.display()))
     };
@@ -412,7 +415,7 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
         .map(|r| r.canonicalize().with_context(|| format!("--allow-root {}", r.display())))
         .collect::<Result<Vec<_>, _>>()?;
     if let orchestrator_worker::LoadSource::Safetensors(c) = &local {
-        allow_roots.push(c.dir().to_path_buf());
+        allow_roots.extend(orchestrator_worker::auth::AllowedRoots::for_checkpoint(c.dir())?.roots().iter().cloned());
     }
     let tls = match &a.tls_dir {
         Some(d) => {
@@ -428,6 +431,19 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
         }
         None => None,
     };
+    // Everything that can be refused is checked before the journal and the token file are made,
+    // so a refused launch leaves neither behind.
+    let grace = a.worker_grace.unwrap_or(if state_dir.is_some() { 60.0 } else { 3.0 });
+    let worker_grace = std::time::Duration::try_from_secs_f64(grace).map_err(|e| anyhow::anyhow!("--worker-grace {grace}: {e}"))?;
+    let roots = orchestrator_worker::auth::AllowedRoots::new(&allow_roots)?;
+    let dump_dir = match &a.dump {
+        Some(d) => {
+            std::fs::create_dir_all(d).with_context(|| format!("--dump {}", d.display()))?;
+            Some(d.canonicalize()?)
+        }
+        None => None,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let journal = state_dir.as_deref().map(journal::Journal::create).transpose()?.map(std::sync::Arc::new);
     let (token, token_file, token_generated) = match (&a.token_file, &state_dir) {
         (Some(p), _) => (orchestrator_worker::auth::Token::read(p)?, p.canonicalize()?, false),
@@ -439,8 +455,6 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
             (orchestrator_worker::auth::Token::generate(&p)?, p, true)
         }
     };
-    let grace = a.worker_grace.unwrap_or(if state_dir.is_some() { 60.0 } else { 3.0 });
-    let worker_grace = std::time::Duration::try_from_secs_f64(grace).map_err(|e| anyhow::anyhow!("--worker-grace {grace}: {e}"))?;
     let plan = launch::LaunchPlan {
         tp: a.tp,
         dp: a.dp,
@@ -456,20 +470,13 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
         token,
         token_file,
         token_generated,
-        roots: orchestrator_worker::auth::AllowedRoots::new(&allow_roots)?,
+        roots,
         allow_roots,
         journal,
         worker_grace,
         tls,
-        dump_dir: match &a.dump {
-            Some(d) => {
-                std::fs::create_dir_all(d).with_context(|| format!("--dump {}", d.display()))?;
-                Some(d.canonicalize()?)
-            }
-            None => None,
-        },
+        dump_dir,
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let json = a.json;
     runtime.block_on(launch::launch(plan, a.serve, |report| {
         if json {

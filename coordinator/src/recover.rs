@@ -39,7 +39,7 @@ pub enum Resolve {
 /// The load source of a journal record, opened in the coordinator the way a worker opens it.
 fn open_source(s: &SourceRecord) -> anyhow::Result<orchestrator_worker::LoadSource> {
     let roots = match s {
-        SourceRecord::Checkpoint { dir } => orchestrator_worker::auth::AllowedRoots::new(std::slice::from_ref(dir))?,
+        SourceRecord::Checkpoint { dir } => AllowedRoots::for_checkpoint(dir)?,
         SourceRecord::Dummy { .. } => Default::default(),
     };
     orchestrator_worker::server::source_from(Some(&s.to_pb()), &roots).map_err(|e| anyhow::anyhow!("the journal's source: {}", e.message()))

@@ -117,6 +117,10 @@ pub fn recovery(decided: Option<&str>) -> Recovery {
     }
 }
 
+/// A rank's health: `None` while it runs and heartbeats; else whether it is dead (its process
+/// is gone) and why.
+pub type RankHealth = Option<(bool, String)>;
+
 /// What the health loop does with a replica.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum HealthAction {
@@ -133,7 +137,7 @@ pub enum HealthAction {
 
 /// The health loop's rule for one replica: `serving`, whether an update owns it, the health of
 /// each rank (`None`: healthy; `Some((dead, why))`), and a pending commit.
-pub fn health_action(serving: bool, owned_by_update: bool, ranks: &[Option<(bool, String)>], pending_commit: Option<&str>) -> HealthAction {
+pub fn health_action(serving: bool, owned_by_update: bool, ranks: &[RankHealth], pending_commit: Option<&str>) -> HealthAction {
     let down: Vec<&(bool, String)> = ranks.iter().flatten().collect();
     if owned_by_update {
         return HealthAction::Keep;
@@ -200,7 +204,8 @@ mod tests {
 
     #[test]
     fn batches_never_take_every_replica_at_once() {
-        let table: Vec<(Vec<u32>, u32, u32, Vec<Vec<u32>>)> = vec![
+        type Case = (Vec<u32>, u32, u32, Vec<Vec<u32>>);
+        let table: Vec<Case> = vec![
             (vec![0, 1], 1, 2, vec![vec![0], vec![1]]),
             (vec![0, 1], 5, 2, vec![vec![0], vec![1]]),
             (vec![0, 1, 2], 2, 3, vec![vec![0, 1], vec![2]]),
@@ -224,7 +229,8 @@ mod tests {
     fn health_drives_rotation() {
         let stalled = Some((false, "no heartbeat for 4.5 s".to_string()));
         let killed = Some((true, "exited (signal 9)".to_string()));
-        let table: Vec<(bool, bool, Vec<Option<(bool, String)>>, Option<&str>, HealthAction)> = vec![
+        type Case<'a> = (bool, bool, Vec<RankHealth>, Option<&'a str>, HealthAction);
+        let table: Vec<Case> = vec![
             (true, false, vec![None, None], None, HealthAction::Keep),
             (true, false, vec![None, stalled.clone()], None, HealthAction::Pull { why: "no heartbeat for 4.5 s".into() }),
             (true, false, vec![killed.clone(), None], None, HealthAction::Pull { why: "exited (signal 9)".into() }),

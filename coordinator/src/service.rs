@@ -165,3 +165,33 @@ impl Coordinator for CoordinatorService {
         Ok(Response::new(pb::ShutdownResponse {}))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service() -> CoordinatorService {
+        CoordinatorService { registry: Default::default(), session: Default::default(), shutdown: Arc::new(Notify::new()) }
+    }
+
+    /// An update naming a 15 MB path is refused with a short answer (not one that echoes it).
+    #[tokio::test]
+    async fn an_oversized_update_request_gets_a_short_refusal() {
+        let req = Request::new(pb::UpdateRequest { checkpoint_dir: "x".repeat(15 << 20), max_unavailable: 1 });
+        let e = service().update(req).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().len() < 200, "{} bytes", e.message().len());
+    }
+
+    /// Before the cluster serves (launching, recovering), calls say so and that nothing started,
+    /// with a code the update client does not take for a lost coordinator.
+    #[tokio::test]
+    async fn calls_before_the_cluster_serves_say_nothing_started() {
+        let req = Request::new(pb::UpdateRequest { checkpoint_dir: "/ck/B".into(), max_unavailable: 1 });
+        let e = service().update(req).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        assert!(e.message().contains("nothing was started"), "{}", e.message());
+        let probe = Request::new(pb::RoutedProbeRequest { tokens: 100_000, latents: 1, seed: 0 });
+        assert_eq!(service().routed_probe(probe).await.unwrap_err().code(), tonic::Code::InvalidArgument);
+    }
+}

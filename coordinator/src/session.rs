@@ -19,7 +19,7 @@ use crate::consistency::{ConsistencyReport, evaluate, failed_row, row};
 use crate::journal::{Event, Journal, SourceRecord};
 use crate::rollout::{CommitStatus, HealthAction, health_action};
 use crate::rotation::Rotation;
-use crate::update::{drive_commit, judge_probe, try_reinstate};
+use crate::update::{Proof, drive_commit, judge_probe, try_reinstate};
 
 /// The probe an update verifies with (and the health loop reinstates with) when the cluster has
 /// no `--probe` of its own.
@@ -187,7 +187,7 @@ pub async fn health_loop(session: Arc<Session>) {
                             }
                         }
                     }
-                    match try_reinstate(cluster, rotation, dp, session.update_probe(), false).await {
+                    match try_reinstate(cluster, rotation, dp, session.update_probe(), Proof::Verified, false).await {
                         Ok(v) => eprintln!("replica dp{dp}: back in rotation on {v} after a passing probe"),
                         Err(why) => tracing::info!(dp, "replica stays out of rotation: {why}"),
                     }

@@ -90,13 +90,38 @@ pub async fn routed_probe(cluster: &Cluster, rotation: &Rotation, spec: ProbeSpe
     }
 }
 
-/// Probes a replica that is out of rotation (serving probe on its active weights) and puts it
-/// back when the probe passes: the version its ranks agreed on, or why it stays out.
-/// `by_update`: the update that owns the replica asks (see [`Rotation::reinstate`]).
-pub async fn try_reinstate(cluster: &Cluster, rotation: &Rotation, dp: u32, spec: ProbeSpec, by_update: bool) -> Result<String, String> {
-    let results = cluster.probe_in(Some(dp), (spec.tokens as u32, spec.latents as u32, spec.seed), false, true).await;
-    let (version, _) = judge_probe(&results)?;
+/// How a replica out of rotation must prove itself before it serves again.
+#[derive(Clone, Copy, Debug)]
+pub enum Proof<'a> {
+    /// A full probe against the checkpoint-order reference (q bit-exact, z within tolerance),
+    /// the group agreeing on one version and one `y`: a replica that left rotation for a
+    /// failure, or after an abort.
+    Verified,
+    /// Right after a commit of weights verified in shadow: a serving probe whose `y` must equal
+    /// the one verified before the swap, on the committed version.
+    SameAsStaged { version: &'a str, y: &'a str },
+}
+
+/// Probes a replica that is out of rotation on its active weights and puts it back when the
+/// probe passes: the version its ranks agreed on, or why it stays out. `by_update`: the update
+/// that owns the replica asks (see [`Rotation::reinstate`]).
+pub async fn try_reinstate(
+    cluster: &Cluster,
+    rotation: &Rotation,
+    dp: u32,
+    spec: ProbeSpec,
+    proof: Proof<'_>,
+    by_update: bool,
+) -> Result<String, String> {
+    let skip_reference = matches!(proof, Proof::SameAsStaged { .. });
+    let results = cluster.probe_in(Some(dp), (spec.tokens as u32, spec.latents as u32, spec.seed), false, skip_reference).await;
+    let (version, y) = judge_probe(&results)?;
     rotation.observed_version(dp, &version);
+    if let Proof::SameAsStaged { version: want, y: want_y } = proof
+        && (version != want || y != want_y)
+    {
+        return Err(format!("after the swap the group probes version {version} with y {y}; verified before it: {want} with y {want_y}"));
+    }
     if rotation.reinstate(dp, &version, by_update) {
         Ok(version)
     } else {
@@ -182,7 +207,7 @@ pub struct UpdateOutcome {
 /// replica is touched: the new version.
 pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots) -> Result<String, String> {
     let dir = roots.check(dir).map_err(|e| format!("new checkpoint: {e}"))?;
-    let ck = Checkpoint::open(&dir).map_err(|e| format!("new checkpoint {}: {e}", dir.display()))?;
+    let ck = Checkpoint::open_within(&dir, roots).map_err(|e| format!("new checkpoint {}: {e}", dir.display()))?;
     if ck.config.geometry != running.geometry || ck.config.format != running.format {
         return Err(format!(
             "new checkpoint {} has geometry {:?} / {:?}, the running plan {:?} / {:?}",
@@ -320,7 +345,9 @@ pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &Mo
                 CommitStatus::Done => {
                     note(Event::UpdateStep { update, dp, step: Step::Committed });
                     rotation.observed_version(dp, &new_version);
-                    let back = match try_reinstate(cluster, rotation, dp, probe, true).await {
+                    let y = r.as_ref().map(|(_, y)| y.as_str()).unwrap_or_default();
+                    let proof = Proof::SameAsStaged { version: &new_version, y };
+                    let back = match try_reinstate(cluster, rotation, dp, probe, proof, true).await {
                         Ok(_) => String::new(),
                         Err(why) => {
                             rotation.pull(dp, &format!("its probe after the commit failed: {why}"));
@@ -400,7 +427,7 @@ async fn abort_batch(
             rotation.pull(dp, &down[0].1);
             format!(" ({}: out of rotation)", down[0].1)
         } else {
-            match try_reinstate(cluster, rotation, dp, probe, true).await {
+            match try_reinstate(cluster, rotation, dp, probe, Proof::Verified, true).await {
                 Ok(_) => String::new(),
                 Err(why) => {
                     rotation.pull(dp, &format!("its probe after the abort failed: {why}"));

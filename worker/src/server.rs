@@ -139,6 +139,14 @@ impl WorkerService {
         }
     }
 
+    /// Runs `f` on the rank's state on a blocking thread: the state lock can be held for seconds
+    /// by a probe (its ring all-reduce), and waiting for it must never block the runtime that
+    /// sends this worker's heartbeats.
+    async fn with_state<T: Send + 'static>(&self, f: impl FnOnce(&mut State) -> Result<T, Status> + Send + 'static) -> Result<T, Status> {
+        let state = self.state.clone();
+        tokio::task::spawn_blocking(move || f(&mut lock(&state))).await.map_err(|e| Status::internal(e.to_string()))?
+    }
+
     /// Runs a load or reload on a blocking thread, streaming per-layer progress.
     /// `shadow`: load `reload_from` into fresh shadow buffers beside the active weights
     /// (a staged update) instead of into the active ones.
@@ -331,7 +339,9 @@ impl Worker for WorkerService {
                 let st = lock(&self.state);
                 let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
                 Some(match plan.source.as_ref() {
-                    LoadSource::Safetensors(c) => LoadSource::open_checkpoint(c.dir()).map_err(|e| Status::internal(e.to_string()))?,
+                    LoadSource::Safetensors(c) => {
+                        LoadSource::open_checkpoint_within(c.dir(), &self.roots).map_err(|e| Status::permission_denied(e.to_string()))?
+                    }
                     LoadSource::Dummy { config, generator } => LoadSource::Dummy { config: config.clone(), generator: *generator },
                 })
             }
@@ -351,37 +361,43 @@ impl Worker for WorkerService {
 
     async fn commit(&self, request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
         let expected = request.into_inner().expected_version;
-        let mut st = lock(&self.state);
-        let (active, staged) = versions_of(&st);
-        // Idempotent: a commit whose answer was lost is asked again, and finds its version in place.
-        if st.shadow.is_none() && !expected.is_empty() && active == expected {
-            let generation = st.weights.as_ref().map_or(0, |w| w.generation);
-            return Ok(Response::new(pb::CommitResponse { checkpoint_version: active, generation, staged_version: String::new() }));
-        }
-        if st.shadow.is_none() {
-            return Err(Status::failed_precondition(format!("commit: nothing staged (holding version {active})")));
-        }
-        if !expected.is_empty() && staged != expected {
-            return Err(Status::failed_precondition(format!("commit: staged version {staged}, expected {expected}")));
-        }
-        let (mut w, source) = st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
-        w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
-        if let Some(p) = st.plan.as_mut() {
-            p.source = source;
-        }
-        st.weights = Some(w);
-        Ok(Response::new(pb::CommitResponse {
-            checkpoint_version: staged,
-            generation: st.weights.as_ref().map_or(0, |w| w.generation),
-            staged_version: String::new(),
-        }))
+        self.with_state(move |st| {
+            let (active, staged) = versions_of(st);
+            // Idempotent: a commit whose answer was lost is asked again, and finds its version in place.
+            if st.shadow.is_none() && !expected.is_empty() && active == expected {
+                let generation = st.weights.as_ref().map_or(0, |w| w.generation);
+                return Ok(pb::CommitResponse { checkpoint_version: active, generation, staged_version: String::new() });
+            }
+            if st.shadow.is_none() {
+                return Err(Status::failed_precondition(format!("commit: nothing staged (holding version {active})")));
+            }
+            if !expected.is_empty() && staged != expected {
+                return Err(Status::failed_precondition(format!("commit: staged version {staged}, expected {expected}")));
+            }
+            let (mut w, source) = st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
+            w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
+            if let Some(p) = st.plan.as_mut() {
+                p.source = source;
+            }
+            st.weights = Some(w);
+            Ok(pb::CommitResponse {
+                checkpoint_version: staged,
+                generation: st.weights.as_ref().map_or(0, |w| w.generation),
+                staged_version: String::new(),
+            })
+        })
+        .await
+        .map(Response::new)
     }
 
     async fn abort(&self, _request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
-        let mut st = lock(&self.state);
-        st.shadow = None;
-        st.stage_epoch += 1;
-        Ok(Response::new(pb::AbortResponse { checkpoint_version: versions_of(&st).0 }))
+        self.with_state(|st| {
+            st.shadow = None;
+            st.stage_epoch += 1;
+            Ok(pb::AbortResponse { checkpoint_version: versions_of(st).0 })
+        })
+        .await
+        .map(Response::new)
     }
 
     async fn report(&self, request: Request<pb::ReportRequest>) -> Result<Response<pb::RankReport>, Status> {
@@ -567,7 +583,6 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     tracing::info!(%address, worker_id, "worker serving");
 
     if let Some(coord) = coordinator.clone() {
-        let mut client = CoordinatorClient::new(crate::tls::connect(&coord, tls.as_ref()).await?);
         let me = crate::process::ProcessIdentity::of_self();
         let registration = pb::RegisterRequest {
             worker_id,
@@ -580,15 +595,45 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             boot_id: me.boot_id,
             executable: me.executable.display().to_string(),
         };
-        let req = crate::auth::request(registration.clone(), RPC_DEADLINE, token.as_ref());
-        client.register(req).await.map_err(|s| anyhow::anyhow!("registering with {coord}: {}", s.message()))?;
-        tokio::spawn(heartbeats(client, registration, token.clone(), coordinator_grace, shutdown.clone()));
+        // Registration and heartbeats run on a runtime of their own, on their own thread: a
+        // worker busy with loads and probes (whose state lock can be held for seconds) still
+        // answers the question "are you alive" on time.
+        let (registered_tx, registered_rx) = tokio::sync::oneshot::channel();
+        let (token, tls, stop) = (token.clone(), tls.clone(), shutdown.clone());
+        std::thread::Builder::new().name("heartbeats".into()).spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = registered_tx.send(Err(anyhow::anyhow!("heartbeat runtime: {e}")));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                let registered = async {
+                    let mut client = CoordinatorClient::new(crate::tls::connect(&coord, tls.as_ref()).await?);
+                    let req = crate::auth::request(registration.clone(), RPC_DEADLINE, token.as_ref());
+                    client.register(req).await.map_err(|s| anyhow::anyhow!("registering with {coord}: {}", s.message()))?;
+                    anyhow::Ok(client)
+                }
+                .await;
+                match registered {
+                    Ok(client) => {
+                        let _ = registered_tx.send(Ok(()));
+                        heartbeats(client, registration, token, coordinator_grace, stop).await;
+                    }
+                    Err(e) => {
+                        let _ = registered_tx.send(Err(e));
+                    }
+                }
+            });
+        })?;
+        registered_rx.await.map_err(|_| anyhow::anyhow!("the heartbeat thread ended before registering"))??;
     }
 
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     router
         .add_service(tonic::service::interceptor::InterceptedService::new(
-            WorkerServer::new(service).max_decoding_message_size(16 << 20),
+            WorkerServer::new(service).max_decoding_message_size(orchestrator_proto::limits::MAX_MESSAGE_BYTES),
             crate::auth::interceptor(token.clone()),
         ))
         .serve_with_incoming_shutdown(incoming, async move {
@@ -615,7 +660,7 @@ async fn heartbeats(
     let mut last_answer = Instant::now();
     let mut warned = false;
     loop {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(orchestrator_proto::limits::HEARTBEAT_INTERVAL).await;
         let req = crate::auth::request(pb::HeartbeatRequest { worker_id }, Duration::from_secs(2), token.as_ref());
         let answered = match client.heartbeat(req).await {
             Ok(_) => true,

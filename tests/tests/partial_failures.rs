@@ -1,0 +1,238 @@
+//! End to end: a rank that stalls (SIGSTOP, then SIGCONT) or dies (SIGKILL) at each journaled
+//! step of a rolling update, or at any moment under a probe load. After each: no routed probe
+//! was served by a TP group whose ranks held two versions, the report's versions are what each
+//! rank says, the update's own account is true, and the cluster converges (a stalled replica
+//! comes back after a passing probe; a dead one stays out and the rest serve).
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use orchestrator_e2e::{Served, has_step, journal, stderr, stdout, synth_tiny as synth, wait_for_journal};
+use serde_json::Value;
+
+fn signal(pid: u64, sig: &str) {
+    let ok = Command::new("kill").args([&format!("-{sig}"), &pid.to_string()]).status().unwrap();
+    assert!(ok.success(), "kill -{sig} {pid}");
+}
+
+/// The pid of worker (dp, tp), from the journal's launch record.
+fn worker_pid(state: &Path, dp: u64, tp: u64) -> u64 {
+    let events = journal(state);
+    let workers = events[0]["workers"].as_array().unwrap();
+    workers.iter().find(|w| w["dp"] == dp && w["tp"] == tp).unwrap()["pid"].as_u64().unwrap()
+}
+
+/// `(dp, tp) -> version` of every rank that answered a report.
+fn rank_versions(report: &Value) -> Vec<(u64, u64, String)> {
+    report["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["failure"].is_null())
+        .map(|r| (r["dp"].as_u64().unwrap(), r["tp"].as_u64().unwrap(), r["checkpoint_version"].as_str().unwrap().to_string()))
+        .collect()
+}
+
+/// No TP group's answering ranks hold two versions.
+fn assert_no_mixed_group(report: &Value) {
+    let ranks = rank_versions(report);
+    for (dp, _, v) in &ranks {
+        for (dp2, tp2, v2) in &ranks {
+            assert!(dp != dp2 || v == v2, "replica dp{dp} mixes versions {v} and {v2} (tp{tp2}): {report:#}");
+        }
+    }
+}
+
+/// Polls the report until `ready` holds (panics after `limit`).
+fn wait_for_report(cluster: &Served, limit: Duration, ready: impl Fn(&Value) -> bool) -> Value {
+    let start = Instant::now();
+    loop {
+        let report = cluster.report();
+        if ready(&report) {
+            return report;
+        }
+        assert!(start.elapsed() < limit, "the cluster never converged: {report:#}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn serving(report: &Value, dp: usize) -> bool {
+    report["replicas"][dp]["serving"] == true
+}
+
+/// Every probe a load served was served on version A or B (a group with two versions never
+/// serves: its probe fails and the replica is pulled).
+fn assert_served_only_whole_versions(probes: &Value, allowed: &[&str]) {
+    for (version, counts) in probes["by_version"].as_object().unwrap() {
+        if counts["served"].as_u64().unwrap() > 0 {
+            assert!(allowed.contains(&version.as_str()), "probes served on version `{version}`: {probes:#}");
+        }
+    }
+}
+
+/// The steps of an update at which a rank is signalled, and the replica whose rank it is.
+const STEPS: [(&str, u64); 4] = [("staging", 0), ("verified", 0), ("decided", 0), ("committed", 0)];
+
+fn start(tmp: &Path, state: &Path) -> (Served, String, String) {
+    let (a, b) = (tmp.join("A"), tmp.join("B"));
+    if !a.exists() {
+        synth(&a, "1");
+        synth(&b, "2");
+    }
+    let cluster = Served::on_checkpoint("2", "2", &a, tmp, &["--state-dir", state.to_str().unwrap(), "--inject-fault", "1:slow-stage"]);
+    let version_a = cluster.report()["ranks"][0]["checkpoint_version"].as_str().unwrap().to_string();
+    (cluster, version_a, b.display().to_string())
+}
+
+/// SIGSTOP dp0/tp1 the moment `step` is journaled for dp0, SIGCONT it 3 s later: the update
+/// finishes on every replica (a stall shorter than the commit drive limit only delays it), the
+/// group never mixes versions, and every replica serves again.
+#[test]
+fn a_rank_stalled_at_each_step_of_an_update_never_mixes_its_group() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (step, dp) in STEPS {
+        let state = tmp.path().join(format!("state-stop-{step}"));
+        let (cluster, version_a, b) = start(tmp.path(), &state);
+        let victim = worker_pid(&state, dp, 1);
+        let load = cluster.probe_load("5", "14");
+        let update = cluster.update_in_background(&["--checkpoint", &b, "--json"]);
+        wait_for_journal(&state, Duration::from_secs(60), |e| has_step(e, dp, step));
+        signal(victim, "STOP");
+        std::thread::sleep(Duration::from_secs(3));
+        signal(victim, "CONT");
+        let o = update.wait_with_output().unwrap();
+        let out: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{step}: {e}: {}\n{}", stdout(&o), stderr(&o)));
+        let version_b = out["update"]["new_version"].as_str().unwrap().to_string();
+        // The update's own account: done everywhere, or failed before any commit decision with
+        // the group that failed still on A.
+        let after = wait_for_report(&cluster, Duration::from_secs(30), |r| serving(r, 0) && serving(r, 1));
+        assert_no_mixed_group(&after);
+        let events = journal(&state);
+        if out["update"]["ok"] == true {
+            assert!(rank_versions(&after).iter().all(|(_, _, v)| *v == version_b), "{step}: {after:#}");
+        } else {
+            assert!(!has_step(&events, dp, "decided"), "{step}: an abort after a commit decision: {out:#}");
+            assert!(rank_versions(&after).iter().filter(|(d, _, _)| *d == dp).all(|(_, _, v)| *v == version_a), "{step}: {after:#}");
+        }
+        // What the update says each replica holds is what its ranks say.
+        for (d, _, v) in rank_versions(&after) {
+            assert_eq!(out["update"]["versions"][d.to_string()], v.as_str(), "{step}: {out:#}\n{after:#}");
+        }
+        let probes = load.wait_with_output().unwrap();
+        let probes: Value = serde_json::from_slice(&probes.stdout).unwrap();
+        assert_served_only_whole_versions(&probes, &[&version_a, &version_b]);
+        // Converged: a new probe load is served in full.
+        let probes: Value = serde_json::from_slice(&cluster.probe_load("10", "1").wait_with_output().unwrap().stdout).unwrap();
+        assert_eq!(probes["failed"], 0, "{step}: {probes:#}");
+    }
+}
+
+/// SIGKILL dp0/tp1 the moment `step` is journaled for dp0: before the commit decision dp0 aborts
+/// and keeps A; after it dp0's surviving rank holds B and the commit stays pending on the dead
+/// rank. Either way dp0 is out of rotation for good, never reported as serving a mix, the rest
+/// serve, and a restarted coordinator (`recover`) converges on the same picture.
+#[test]
+fn a_rank_killed_at_each_step_of_an_update_leaves_its_group_out_and_the_rest_serving() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (step, dp) in STEPS {
+        let state = tmp.path().join(format!("state-kill-{step}"));
+        let (mut cluster, version_a, b) = start(tmp.path(), &state);
+        let victim = worker_pid(&state, dp, 1);
+        let load = cluster.probe_load("5", "8");
+        let update = cluster.update_in_background(&["--checkpoint", &b, "--json"]);
+        wait_for_journal(&state, Duration::from_secs(60), |e| has_step(e, dp, step));
+        signal(victim, "KILL");
+        let o = update.wait_with_output().unwrap();
+        let out: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{step}: {e}: {}\n{}", stdout(&o), stderr(&o)));
+        let version_b = out["update"]["new_version"].as_str().unwrap().to_string();
+        let events = journal(&state);
+        let decided = has_step(&events, dp, "decided");
+        let after = wait_for_report(&cluster, Duration::from_secs(20), |r| !serving(r, 0));
+        assert_no_mixed_group(&after);
+        let dead = after["ranks"].as_array().unwrap().iter().find(|r| r["dp"] == 0 && r["tp"] == 1).unwrap();
+        assert!(dead["failure"].as_str().unwrap().starts_with("dead"), "{step}: {dead:#}");
+        let survivor = rank_versions(&after).into_iter().find(|(d, t, _)| (*d, *t) == (0, 0)).unwrap().2;
+        if decided {
+            assert_eq!(survivor, version_b, "{step}: after the decision the survivor holds B");
+            assert!(!stdout(&o).contains("kept version"), "{step}: no abort after a decision: {out:#}");
+        } else {
+            assert_eq!(survivor, version_a, "{step}: before the decision the group keeps A");
+        }
+        let probes = load.wait_with_output().unwrap();
+        let probes: Value = serde_json::from_slice(&probes.stdout).unwrap();
+        assert_served_only_whole_versions(&probes, &[&version_a, &version_b]);
+        let probes: Value = serde_json::from_slice(&cluster.probe_load("10", "1").wait_with_output().unwrap().stdout).unwrap();
+        assert_eq!(probes["failed"], 0, "{step}: {probes:#}");
+        assert_eq!(probes["by_replica"]["dp1"]["served"], probes["served"], "{step}: {probes:#}");
+        if step == "decided" {
+            // A coordinator restarted from the journal finds the same: dp0 out, dp1 serving.
+            cluster.kill_coordinator();
+            let recovered = Served::recover(&state, &[]);
+            let report = wait_for_report(&recovered, Duration::from_secs(20), |r| serving(r, 1));
+            assert!(!serving(&report, 0), "{report:#}");
+            assert_no_mixed_group(&report);
+        }
+    }
+}
+
+/// A rank stalled for longer than the heartbeat timeout in the middle of a report: its replica
+/// leaves rotation, the TP ring is rebuilt on a new epoch once it answers again, and the replica
+/// serves again after a passing probe (instead of every later probe failing on a broken ring).
+#[test]
+fn a_stall_mid_report_breaks_no_ring_for_good() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let (cluster, _, _) = start(tmp.path(), &state);
+    let victim = worker_pid(&state, 1, 0);
+    let report = {
+        let (coordinator, token) = (cluster.coordinator.clone(), cluster.token.clone());
+        std::thread::spawn(move || {
+            orchestrator_e2e::run("orchestrator", &["report", "--coordinator", &coordinator, "--token-file", &token, "--json"])
+        })
+    };
+    std::thread::sleep(Duration::from_millis(700));
+    signal(victim, "STOP");
+    std::thread::sleep(Duration::from_secs(6));
+    signal(victim, "CONT");
+    let _ = report.join().unwrap();
+    let healed = wait_for_report(&cluster, Duration::from_secs(30), |r| serving(r, 0) && serving(r, 1));
+    assert_eq!(healed["ok"], true, "{healed:#}");
+    // Full reports with probes pass again, and every probe of a load is served.
+    let o = cluster.cmd("report", &["--json"]);
+    let full: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(full["ok"], true, "{full:#}");
+    let probes: Value = serde_json::from_slice(&cluster.probe_load("10", "2").wait_with_output().unwrap().stdout).unwrap();
+    assert_eq!(probes["failed"], 0, "{probes:#}");
+    assert!(probes["by_replica"]["dp1"]["served"].as_u64().unwrap() > 0, "{probes:#}");
+}
+
+/// `kill -9` of one dp0 worker under a probe load: the probes in flight may fail (loudly), then
+/// dp0 is out of rotation and every later probe is served by dp1; the report shows dp1's rows as
+/// they are and the dead rank as dead.
+#[test]
+fn a_dead_replica_leaves_rotation_and_the_report_shows_the_rest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let (cluster, version_a, _) = start(tmp.path(), &state);
+    let load = cluster.probe_load("20", "3");
+    std::thread::sleep(Duration::from_millis(800));
+    signal(worker_pid(&state, 0, 1), "KILL");
+    let probes: Value = serde_json::from_slice(&load.wait_with_output().unwrap().stdout).unwrap();
+    assert!(probes["failed"].as_u64().unwrap() <= 3, "only probes in flight at the kill may fail: {probes:#}");
+    let probes: Value = serde_json::from_slice(&cluster.probe_load("20", "2").wait_with_output().unwrap().stdout).unwrap();
+    assert_eq!(probes["failed"], 0, "{probes:#}");
+    assert_eq!(probes["by_replica"]["dp1"]["served"], probes["served"], "{probes:#}");
+    let report = cluster.report();
+    let ranks = report["ranks"].as_array().unwrap();
+    for r in ranks.iter().filter(|r| r["dp"] == 1) {
+        assert_eq!(r["verdict"], "ok", "{report:#}");
+        assert_eq!(r["checkpoint_version"], version_a.as_str());
+    }
+    let dead = ranks.iter().find(|r| r["dp"] == 0 && r["tp"] == 1).unwrap();
+    assert!(dead["failure"].as_str().unwrap().starts_with("dead"), "{dead:#}");
+    let alive = ranks.iter().find(|r| r["dp"] == 0 && r["tp"] == 0).unwrap();
+    assert_eq!(alive["checkpoint_version"], version_a.as_str(), "{alive:#}");
+    assert_eq!(report["replicas"][0]["serving"], false);
+    assert_eq!(report["replicas"][0]["dead"], true);
+}
