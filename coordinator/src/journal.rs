@@ -158,6 +158,9 @@ pub struct PlanRecord {
     /// The directories the workers may read checkpoints from.
     #[serde(default)]
     pub allow_roots: Vec<PathBuf>,
+    /// `--commit-timeout` in milliseconds.
+    #[serde(default)]
+    pub commit_timeout_ms: Option<u64>,
 }
 
 /// A step of a rolling update on one replica.
@@ -460,6 +463,7 @@ mod tests {
                 .collect(),
             version: "va".into(),
             allow_roots: vec!["/ck".into()],
+            commit_timeout_ms: Some(20_000),
         }
     }
 

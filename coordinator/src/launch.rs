@@ -54,6 +54,8 @@ pub struct LaunchPlan {
     /// before an update touches any replica).
     pub allow_roots: Vec<PathBuf>,
     pub roots: orchestrator_worker::auth::AllowedRoots,
+    /// How long an update drives a decided commit to a silent rank before reporting it.
+    pub commit_timeout: Duration,
     /// The journal of the plan, the workers and every update step (`--state-dir`).
     pub journal: Option<Arc<Journal>>,
     /// How long workers keep serving while the coordinator is unreachable.
@@ -217,6 +219,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
             workers: cluster.records(),
             version: version.clone(),
             allow_roots: plan.allow_roots.clone(),
+            commit_timeout_ms: Some(plan.commit_timeout.as_millis() as u64),
         }))?;
     }
     let rotation = Arc::new(Rotation::new(vec![version; plan.dp as usize]));
@@ -229,6 +232,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         load_seconds,
         journal: plan.journal.clone(),
         roots: plan.roots.clone(),
+        commit_timeout: plan.commit_timeout,
         updating: Default::default(),
         update_lock: Default::default(),
         state: std::sync::Mutex::new(SessionState { source_desc: plan.source_desc.clone(), current_source, last_update: 0, timings }),

@@ -104,7 +104,7 @@ struct LaunchArgs {
     #[arg(long, value_enum)]
     verify: Option<Verify>,
     /// Debugging: make worker RANK (0..tp*dp, dp-major) reproduce a bug: skip-permute,
-    /// double-permute, stale-reload, crash-during-load, crash-during-stage, slow-stage.
+    /// double-permute, stale-reload, crash-during-load, crash-during-stage, slow-stage, slow-commit.
     #[arg(long, value_name = "RANK:KIND")]
     inject_fault: Option<String>,
     /// Every worker writes its kernel-visible tensors to DIR/dp{D}/rank{R}.safetensors.
@@ -135,6 +135,11 @@ struct LaunchArgs {
     /// with --state-dir so that `recover` can find them).
     #[arg(long, value_name = "SECS")]
     worker_grace: Option<f64>,
+    /// Seconds an update keeps driving a decided commit to a rank that does not answer before
+    /// it reports the rank and leaves the commit pending (finished when the rank answers);
+    /// default 20.
+    #[arg(long, value_name = "SECS")]
+    commit_timeout: Option<f64>,
     /// Run the control plane (coordinator and workers) over TLS with the cluster's files in DIR
     /// (`ca.pem`, `node.pem`, `node.key`; see `orchestrator tls generate`). Needed for a
     /// non-loopback --listen.
@@ -353,9 +358,10 @@ fn parse_fault(s: &str, workers: u32) -> anyhow::Result<(u32, orchestrator_proto
         "crash-during-load" => Fault::CrashDuringLoad,
         "crash-during-stage" => Fault::CrashDuringStage,
         "slow-stage" => Fault::SlowStage,
+        "slow-commit" => Fault::SlowCommit,
         other => {
             anyhow::bail!(
-                "--inject-fault `{s}`: unknown kind `{other}` (skip-permute, double-permute, stale-reload, crash-during-load, crash-during-stage, slow-stage)"
+                "--inject-fault `{s}`: unknown kind `{other}` (skip-permute, double-permute, stale-reload, crash-during-load, crash-during-stage, slow-stage, slow-commit)"
             )
         }
     };
@@ -436,6 +442,11 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
     let grace = a.worker_grace.unwrap_or(if state_dir.is_some() { 60.0 } else { 3.0 });
     let worker_grace = std::time::Duration::try_from_secs_f64(grace).map_err(|e| anyhow::anyhow!("--worker-grace {grace}: {e}"))?;
     let roots = orchestrator_worker::auth::AllowedRoots::new(&allow_roots)?;
+    let commit_timeout = a.commit_timeout.unwrap_or(orchestrator_proto::limits::COMMIT_DRIVE_LIMIT.as_secs_f64());
+    let commit_timeout = std::time::Duration::try_from_secs_f64(commit_timeout)
+        .ok()
+        .filter(|d| !d.is_zero() && d.as_secs() <= 3600)
+        .ok_or_else(|| anyhow::anyhow!("--commit-timeout {commit_timeout}: must be in (0, 3600] seconds"))?;
     let dump_dir = match &a.dump {
         Some(d) => {
             std::fs::create_dir_all(d).with_context(|| format!("--dump {}", d.display()))?;
@@ -471,6 +482,7 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
         token_file,
         token_generated,
         roots,
+        commit_timeout,
         allow_roots,
         journal,
         worker_grace,

@@ -83,6 +83,11 @@ async fn observe(cluster: &Cluster) -> Observed {
     o
 }
 
+/// The plan's `--commit-timeout` (journals written before it existed: the default).
+fn commit_timeout(plan: &crate::journal::PlanRecord) -> std::time::Duration {
+    plan.commit_timeout_ms.map_or(orchestrator_proto::limits::COMMIT_DRIVE_LIMIT, std::time::Duration::from_millis)
+}
+
 /// Finishes every commit the journal shows decided and unconfirmed (never aborting one), and
 /// drops whatever else the dead coordinator staged, so nothing unverified can be swapped in.
 async fn settle_decisions(cluster: &Cluster, rotation: &Rotation, journal: &Journal, replayed: &Replayed, steps: &mut Vec<String>) {
@@ -92,7 +97,7 @@ async fn settle_decisions(cluster: &Cluster, rotation: &Rotation, journal: &Jour
                 cluster.abort(dp).await;
             }
             crate::rollout::Recovery::FinishCommit { version } => {
-                match drive_commit(cluster, dp, &version, orchestrator_proto::limits::COMMIT_DRIVE_LIMIT).await {
+                match drive_commit(cluster, dp, &version, commit_timeout(&replayed.plan)).await {
                     CommitStatus::Done => {
                         let in_pending = replayed.pending.as_ref().is_some_and(|p| p.steps.get(&dp) == Some(&Step::Decided));
                         let event = match &replayed.pending {
@@ -187,6 +192,7 @@ async fn resolve(
         replicas: Some(behind.clone()),
         journal: Some((journal, pending.update + 1, from)),
         roots,
+        commit_timeout: commit_timeout(&replayed.plan),
     };
     let outcome = rolling_update(cluster, rotation, config, plan).await;
     steps.push(format!("update {}: replicas {behind:?} to {} ({verb})", pending.update + 1, dir.display()));
@@ -261,6 +267,7 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
         load_seconds: BTreeMap::new(),
         journal: Some(journal),
         roots,
+        commit_timeout: commit_timeout(&plan),
         updating: Default::default(),
         update_lock: Default::default(),
         state: std::sync::Mutex::new(SessionState { source_desc, current_source, last_update, timings: BTreeMap::new() }),

@@ -122,6 +122,7 @@ impl Coordinator for CoordinatorService {
             replicas: None,
             journal: session.journal.as_deref().map(|j| (j, update, from)),
             roots: &session.roots,
+            commit_timeout: session.commit_timeout,
         };
         let outcome = {
             // Reports meanwhile see replicas on different versions as an update in flight.

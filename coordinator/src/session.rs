@@ -48,6 +48,8 @@ pub struct Session {
     /// The directories the workers read checkpoints from (an update is checked against them
     /// before any replica leaves rotation).
     pub roots: AllowedRoots,
+    /// How long an update drives a decided commit to a silent rank before reporting it.
+    pub commit_timeout: std::time::Duration,
     /// Set while a rolling update runs (replicas may then hold different versions).
     pub updating: Arc<AtomicBool>,
     /// Updates run one at a time.

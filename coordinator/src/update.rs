@@ -38,6 +38,9 @@ pub struct UpdatePlan<'a> {
     pub journal: Option<(&'a Journal, u64, SourceRecord)>,
     /// The directories the workers may read: checked here before any replica is touched.
     pub roots: &'a AllowedRoots,
+    /// How long a decided commit is driven to a rank that does not answer before it is reported
+    /// (the replica then stays out with the commit pending).
+    pub commit_timeout: std::time::Duration,
 }
 
 /// One replica's probe, judged: every rank answered within tolerance, on one version, with one
@@ -230,7 +233,7 @@ pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots) -> Resu
 /// every replica in it before any commit is decided; a failure before the decision aborts the
 /// whole batch, and a decided commit is driven to every rank.
 pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, plan: UpdatePlan<'_>) -> UpdateOutcome {
-    let UpdatePlan { dir, probe, max_unavailable, replicas, journal, roots } = plan;
+    let UpdatePlan { dir, probe, max_unavailable, replicas, journal, roots, commit_timeout } = plan;
     let start = Instant::now();
     let mut steps = Vec::new();
     let mut pending_commits = BTreeMap::new();
@@ -336,8 +339,7 @@ pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &Mo
         }
         // Decided: drive every rank of every replica of the batch to the new version.
         let statuses =
-            futures_util::future::join_all(group.iter().map(|&dp| drive_commit(cluster, dp, &new_version, limits::COMMIT_DRIVE_LIMIT)))
-                .await;
+            futures_util::future::join_all(group.iter().map(|&dp| drive_commit(cluster, dp, &new_version, commit_timeout))).await;
         let mut stuck = Vec::new();
         for ((&dp, status), r) in group.iter().zip(statuses).zip(&staged) {
             let detail = r.as_ref().map(|(d, _)| d.as_str()).unwrap_or_default();

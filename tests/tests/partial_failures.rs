@@ -71,16 +71,26 @@ fn assert_served_only_whole_versions(probes: &Value, allowed: &[&str]) {
     }
 }
 
-/// The steps of an update at which a rank is signalled, and the replica whose rank it is.
-const STEPS: [(&str, u64); 4] = [("staging", 0), ("verified", 0), ("decided", 0), ("committed", 0)];
+/// The steps of an update at which rank dp0/tp1 is signalled, and the fault that holds it at
+/// that step long enough for the signal to land there: a slow stage for the steps before the
+/// commit decision; a slow commit (its peer dp0/tp0 has already swapped, it has not) for
+/// `decided`. At `committed` every rank of dp0 has swapped and dp1 is being updated.
+const STEPS: [(&str, &str); 4] =
+    [("staging", "1:slow-stage"), ("verified", "1:slow-stage"), ("decided", "1:slow-commit"), ("committed", "1:slow-stage")];
 
 fn start(tmp: &Path, state: &Path) -> (Served, String, String) {
+    start_with(tmp, state, &["--inject-fault", "1:slow-stage"])
+}
+
+fn start_with(tmp: &Path, state: &Path, extra: &[&str]) -> (Served, String, String) {
     let (a, b) = (tmp.join("A"), tmp.join("B"));
     if !a.exists() {
         synth(&a, "1");
         synth(&b, "2");
     }
-    let cluster = Served::on_checkpoint("2", "2", &a, tmp, &["--state-dir", state.to_str().unwrap(), "--inject-fault", "1:slow-stage"]);
+    let mut args = vec!["--state-dir", state.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let cluster = Served::on_checkpoint("2", "2", &a, tmp, &args);
     let version_a = cluster.report()["ranks"][0]["checkpoint_version"].as_str().unwrap().to_string();
     (cluster, version_a, b.display().to_string())
 }
@@ -91,9 +101,10 @@ fn start(tmp: &Path, state: &Path) -> (Served, String, String) {
 #[test]
 fn a_rank_stalled_at_each_step_of_an_update_never_mixes_its_group() {
     let tmp = tempfile::tempdir().unwrap();
-    for (step, dp) in STEPS {
+    let dp = 0;
+    for (step, fault) in STEPS {
         let state = tmp.path().join(format!("state-stop-{step}"));
-        let (cluster, version_a, b) = start(tmp.path(), &state);
+        let (cluster, version_a, b) = start_with(tmp.path(), &state, &["--inject-fault", fault]);
         let victim = worker_pid(&state, dp, 1);
         let load = cluster.probe_load("5", "14");
         let update = cluster.update_in_background(&["--checkpoint", &b, "--json"]);
@@ -109,6 +120,7 @@ fn a_rank_stalled_at_each_step_of_an_update_never_mixes_its_group() {
         let after = wait_for_report(&cluster, Duration::from_secs(30), |r| serving(r, 0) && serving(r, 1));
         assert_no_mixed_group(&after);
         let events = journal(&state);
+        eprintln!("outcome: SIGSTOP 3 s at {step}: update ok={} steps={}", out["update"]["ok"], out["update"]["steps"]);
         if out["update"]["ok"] == true {
             assert!(rank_versions(&after).iter().all(|(_, _, v)| *v == version_b), "{step}: {after:#}");
         } else {
@@ -135,9 +147,10 @@ fn a_rank_stalled_at_each_step_of_an_update_never_mixes_its_group() {
 #[test]
 fn a_rank_killed_at_each_step_of_an_update_leaves_its_group_out_and_the_rest_serving() {
     let tmp = tempfile::tempdir().unwrap();
-    for (step, dp) in STEPS {
+    let dp = 0;
+    for (step, fault) in STEPS {
         let state = tmp.path().join(format!("state-kill-{step}"));
-        let (mut cluster, version_a, b) = start(tmp.path(), &state);
+        let (mut cluster, version_a, b) = start_with(tmp.path(), &state, &["--inject-fault", fault]);
         let victim = worker_pid(&state, dp, 1);
         let load = cluster.probe_load("5", "8");
         let update = cluster.update_in_background(&["--checkpoint", &b, "--json"]);
@@ -148,6 +161,7 @@ fn a_rank_killed_at_each_step_of_an_update_leaves_its_group_out_and_the_rest_ser
         let version_b = out["update"]["new_version"].as_str().unwrap().to_string();
         let events = journal(&state);
         let decided = has_step(&events, dp, "decided");
+        eprintln!("outcome: SIGKILL at {step}: decided={decided} update ok={} steps={}", out["update"]["ok"], out["update"]["steps"]);
         let after = wait_for_report(&cluster, Duration::from_secs(20), |r| !serving(r, 0));
         assert_no_mixed_group(&after);
         let dead = after["ranks"].as_array().unwrap().iter().find(|r| r["dp"] == 0 && r["tp"] == 1).unwrap();
@@ -235,4 +249,91 @@ fn a_dead_replica_leaves_rotation_and_the_report_shows_the_rest() {
     assert_eq!(alive["checkpoint_version"], version_a.as_str(), "{alive:#}");
     assert_eq!(report["replicas"][0]["serving"], false);
     assert_eq!(report["replicas"][0]["dead"], true);
+}
+
+/// A rank stalled at the commit decision for longer than `--commit-timeout`: the update reports
+/// the rank (never an abort), its replica stays out with the commit pending, and once the rank
+/// answers again the coordinator finishes the commit (journaled) and the replica serves B.
+#[test]
+fn a_commit_pending_on_a_stalled_rank_is_finished_when_it_answers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let (cluster, version_a, b) = start_with(tmp.path(), &state, &["--commit-timeout", "2", "--inject-fault", "1:slow-commit"]);
+    let victim = worker_pid(&state, 0, 1);
+    let update = cluster.update_in_background(&["--checkpoint", &b, "--json"]);
+    wait_for_journal(&state, Duration::from_secs(60), |e| has_step(e, 0, "decided"));
+    signal(victim, "STOP");
+    let o = update.wait_with_output().unwrap();
+    let out: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(&o), stderr(&o)));
+    let version_b = out["update"]["new_version"].as_str().unwrap().to_string();
+    let steps = out["update"]["steps"].to_string();
+    if has_step(&journal(&state), 0, "committed") {
+        // The stop landed after every rank had confirmed: nothing is pending.
+        signal(victim, "CONT");
+        assert_eq!(out["update"]["ok"], true, "{out:#}");
+        return;
+    }
+    assert_eq!(out["update"]["ok"], false, "{out:#}");
+    assert_eq!(out["update"]["pending_commits"]["0"], version_b.as_str(), "{out:#}");
+    assert!(steps.contains("rank dp0/tp1") && !steps.contains("kept version"), "{steps}");
+    let mid = cluster.report();
+    assert!(!serving(&mid, 0), "{mid:#}");
+    assert_eq!(mid["replicas"][0]["pending_commit"], version_b.as_str(), "{mid:#}");
+    assert_no_mixed_group(&mid);
+    signal(victim, "CONT");
+    let healed = wait_for_report(&cluster, Duration::from_secs(30), |r| serving(r, 0));
+    assert_no_mixed_group(&healed);
+    let dp0: Vec<String> = rank_versions(&healed).into_iter().filter(|(d, _, _)| *d == 0).map(|(_, _, v)| v).collect();
+    assert_eq!(dp0, [version_b.clone(), version_b.clone()], "{healed:#}");
+    assert!(journal(&state).iter().any(|e| e["event"] == "commit_confirmed" && e["dp"] == 0), "{:#?}", journal(&state));
+    // dp1 was never touched by the stopped update: it serves A.
+    assert!(rank_versions(&healed).iter().filter(|(d, _, _)| *d == 1).all(|(_, _, v)| *v == version_a), "{healed:#}");
+    // Rolling out B again completes the cluster.
+    let o = cluster.cmd("update", &["--checkpoint", &b, "--json"]);
+    assert!(o.status.success(), "{}", stdout(&o));
+}
+
+/// Stalls and a kill at random moments (the seed is printed) under a probe load and an update:
+/// whatever lands where, no group serves two versions and the cluster converges.
+#[test]
+fn stalls_and_a_kill_at_random_moments_under_load_converge() {
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    eprintln!("random moments: seed {seed}");
+    let mut x = seed | 1;
+    let mut next = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let (cluster, version_a, b) = start(tmp.path(), &state);
+    let load = cluster.probe_load("8", "16");
+    let update = cluster.update_in_background(&["--checkpoint", &b, "--json"]);
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(200 + next(1500)));
+        let (dp, tp) = (next(2), next(2));
+        let pid = worker_pid(&state, dp, tp);
+        let stall = 500 + next(5000);
+        eprintln!("random moments: SIGSTOP dp{dp}/tp{tp} for {stall} ms");
+        signal(pid, "STOP");
+        std::thread::sleep(Duration::from_millis(stall));
+        signal(pid, "CONT");
+    }
+    let o = update.wait_with_output().unwrap();
+    let out: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(&o), stderr(&o)));
+    let version_b = out["update"]["new_version"].as_str().unwrap().to_string();
+    let after = wait_for_report(&cluster, Duration::from_secs(40), |r| serving(r, 0) && serving(r, 1));
+    assert_no_mixed_group(&after);
+    let (dp, tp) = (next(2), next(2));
+    eprintln!("random moments: SIGKILL dp{dp}/tp{tp}");
+    signal(worker_pid(&state, dp, tp), "KILL");
+    let probes: Value = serde_json::from_slice(&load.wait_with_output().unwrap().stdout).unwrap();
+    assert_served_only_whole_versions(&probes, &[&version_a, &version_b]);
+    let after = wait_for_report(&cluster, Duration::from_secs(20), |r| !serving(r, dp as usize));
+    assert_no_mixed_group(&after);
+    let probes: Value = serde_json::from_slice(&cluster.probe_load("10", "1").wait_with_output().unwrap().stdout).unwrap();
+    assert_eq!(probes["failed"], 0, "{probes:#}");
+    assert_eq!(probes["by_replica"][format!("dp{}", 1 - dp)]["served"], probes["served"], "{probes:#}");
 }

@@ -361,6 +361,10 @@ impl Worker for WorkerService {
 
     async fn commit(&self, request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
         let expected = request.into_inner().expected_version;
+        let slow = lock(&self.state).plan.as_ref().is_some_and(|p| p.fault == pb::Fault::SlowCommit);
+        if slow {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
         self.with_state(move |st| {
             let (active, staged) = versions_of(st);
             // Idempotent: a commit whose answer was lost is asked again, and finds its version in place.
