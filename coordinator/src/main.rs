@@ -489,14 +489,26 @@ fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
         tls,
         dump_dir,
     };
-    let json = a.json;
-    runtime.block_on(launch::launch(plan, a.serve, |report| {
-        if json {
-            emit(&format!("{}\n", serde_json::to_string_pretty(report).unwrap_or_default()));
-        } else {
-            emit(&report.render());
+    let (json, serve) = (a.json, a.serve);
+    runtime.block_on(async move {
+        let run = launch::launch(plan, serve, |report| {
+            if json {
+                emit(&format!("{}\n", serde_json::to_string_pretty(report).unwrap_or_default()));
+            } else {
+                emit(&report.render());
+            }
+        });
+        if serve {
+            // A served cluster stops gracefully on a signal by itself.
+            return run.await;
         }
-    }))
+        // Interrupted: dropping the launch kills its workers and removes its token file.
+        let signal = orchestrator_worker::grpc::shutdown_signal();
+        tokio::select! {
+            r = run => r,
+            _ = signal => anyhow::bail!("interrupted: the workers were stopped and the launch's token file removed"),
+        }
+    })
 }
 
 /// A channel to the coordinator `a` names (over TLS for `https://`).

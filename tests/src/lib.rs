@@ -201,3 +201,18 @@ pub fn synth_tiny(dir: &std::path::Path, seed: &str) {
 pub fn versions(report: &serde_json::Value) -> Vec<String> {
     report["ranks"].as_array().unwrap().iter().map(|r| r["checkpoint_version"].as_str().unwrap().to_string()).collect()
 }
+
+/// Copies the files of checkpoint `src` into `dst` (created), except those `link` picks, which
+/// become symlinks to the originals.
+pub fn copy_checkpoint(src: &std::path::Path, dst: &std::path::Path, link: impl Fn(&std::path::Path) -> bool) {
+    std::fs::create_dir_all(dst).unwrap();
+    for f in std::fs::read_dir(src).unwrap() {
+        let f = f.unwrap().path();
+        let to = dst.join(f.file_name().unwrap());
+        if link(&f) {
+            std::os::unix::fs::symlink(&f, &to).unwrap();
+        } else {
+            std::fs::copy(&f, &to).unwrap();
+        }
+    }
+}

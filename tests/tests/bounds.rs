@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use orchestrator_e2e::{Served, bin, journal, run, stderr, stdout, synth_tiny, versions};
+use orchestrator_e2e::{Served, bin, copy_checkpoint, journal, run, stderr, stdout, synth_tiny, versions};
 use serde_json::Value;
 
 /// Impossible cluster and probe sizes are refused at once with the field named, and no worker
@@ -45,11 +45,7 @@ fn absurd_configs_are_refused_by_field() {
         ("num_hidden_layers", Value::from(1_000_000_000_000u64), "layers-1e12"),
     ] {
         let dir = tmp.path().join(name);
-        std::fs::create_dir_all(&dir).unwrap();
-        for f in std::fs::read_dir(&base).unwrap() {
-            let f = f.unwrap().path();
-            std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
-        }
+        copy_checkpoint(&base, &dir, |_| false);
         let mut c = config.clone();
         let fields = if c.get("text_config").is_some() { &mut c["text_config"] } else { &mut c };
         fields[field] = value;
@@ -108,16 +104,8 @@ fn hub_snapshots_load_and_a_symlinked_shard_cannot_escape_the_roots() {
     let root = tmp.path().join("root");
     let (inside, escape) = (root.join("A"), root.join("escape"));
     synth_tiny(&inside, "1");
-    std::fs::create_dir_all(&escape).unwrap();
-    for f in std::fs::read_dir(&b).unwrap() {
-        let f = f.unwrap().path();
-        let name = f.file_name().unwrap().to_owned();
-        if f.extension().is_some_and(|e| e == "safetensors") {
-            std::os::unix::fs::symlink(&f, escape.join(&name)).unwrap();
-        } else {
-            std::fs::copy(&f, escape.join(&name)).unwrap();
-        }
-    }
+    // B's shards, linked from inside the root to outside it.
+    copy_checkpoint(&b, &escape, |f| f.extension().is_some_and(|e| e == "safetensors"));
     let cluster = Served::on_checkpoint("2", "2", &inside, &root, &[]);
     let before = cluster.report();
     let load = cluster.probe_load("10", "2");
@@ -240,4 +228,38 @@ fn a_long_report_blocks_neither_probes_nor_shutdown() {
     assert!(t.elapsed() < Duration::from_secs(1), "shutdown took {:?} behind a report", t.elapsed());
     // The report itself may end either way once the cluster stops; it must not hold it up.
     drop(report);
+}
+
+/// A launch refused late (`--worker-grace nan`) or interrupted (SIGTERM mid-launch) leaves no
+/// token file behind.
+#[test]
+fn failed_and_interrupted_launches_leave_no_token_file() {
+    let cache = tempfile::tempdir().unwrap();
+    let run_dir = cache.path().join("run");
+    let tokens = || std::fs::read_dir(&run_dir).map(|d| d.count()).unwrap_or(0);
+    let o = Command::new(bin("orchestrator"))
+        .env("ORCHESTRATOR_CACHE", cache.path())
+        .args(["launch", "--dummy", "--preset", "tiny", "--layers", "1", "--tp", "1", "--worker-grace", "nan"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--worker-grace"), "{}", stderr(&o));
+    assert_eq!(tokens(), 0, "a refused launch left a token file");
+    let mut child = Command::new(bin("orchestrator"))
+        .env("ORCHESTRATOR_CACHE", cache.path())
+        .args(["launch", "--dummy", "--preset", "tiny", "--layers", "2", "--tp", "2", "--probe", "256,4096"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while tokens() == 0 && start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(tokens(), 1, "the launch makes its token file");
+    std::thread::sleep(Duration::from_millis(300));
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    let status = child.wait().unwrap();
+    assert!(!status.success());
+    assert_eq!(tokens(), 0, "an interrupted launch left its token file");
 }

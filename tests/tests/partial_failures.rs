@@ -233,7 +233,9 @@ fn a_dead_replica_leaves_rotation_and_the_report_shows_the_rest() {
     std::thread::sleep(Duration::from_millis(800));
     signal(worker_pid(&state, 0, 1), "KILL");
     let probes: Value = serde_json::from_slice(&load.wait_with_output().unwrap().stdout).unwrap();
-    assert!(probes["failed"].as_u64().unwrap() <= 3, "only probes in flight at the kill may fail: {probes:#}");
+    // Only probes in flight at the kill, or sent to dp0 before its first failure pulled it
+    // (a few at 20/s), may fail; before the fix 39 of 120 failed and later loads failed half.
+    assert!(probes["failed"].as_u64().unwrap() <= 6, "only probes in flight at the kill may fail: {probes:#}");
     let probes: Value = serde_json::from_slice(&cluster.probe_load("20", "2").wait_with_output().unwrap().stdout).unwrap();
     assert_eq!(probes["failed"], 0, "{probes:#}");
     assert_eq!(probes["by_replica"]["dp1"]["served"], probes["served"], "{probes:#}");
