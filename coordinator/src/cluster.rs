@@ -663,8 +663,30 @@ impl Cluster {
 
     /// Drops whatever replica `dp` staged: each rank's active version after it.
     pub async fn abort(&self, dp: u32) -> RankResults<String> {
+        self.abort_with(dp, pb::AbortRequest { rollback: false, expected_version: String::new() }).await
+    }
+
+    /// Swaps every rank of replica `dp` back to the version its last commit replaced, which must
+    /// be `expected` (only after that decision is journaled): each rank's active version after it.
+    pub async fn rollback(&self, dp: u32, expected: &str) -> RankResults<String> {
+        let _guard = self.group_locks[dp as usize].lock().await;
+        self.abort_with(dp, pb::AbortRequest { rollback: true, expected_version: expected.to_string() }).await
+    }
+
+    /// Every rank drops the version it kept for a rollback (the update ended).
+    pub async fn release(&self) {
+        let _ = self
+            .fan_out(|w, mut client| {
+                let req = orchestrator_worker::auth::request(pb::ReleaseRequest {}, ASSIGN_DEADLINE, Some(&self.token));
+                let label = w.label();
+                async move { client.release(req).await.map(|_| ()).map_err(|s| format!("{label}: release: {}", s.message())) }
+            })
+            .await;
+    }
+
+    async fn abort_with(&self, dp: u32, request: pb::AbortRequest) -> RankResults<String> {
         self.fan_out_in(Some(dp), |w, mut client| {
-            let req = orchestrator_worker::auth::request(pb::AbortRequest {}, ASSIGN_DEADLINE, Some(&self.token));
+            let req = orchestrator_worker::auth::request(request.clone(), ASSIGN_DEADLINE, Some(&self.token));
             let label = w.label();
             async move {
                 client.abort(req).await.map(|r| r.into_inner().checkpoint_version).map_err(|s| format!("{label}: abort: {}", s.message()))

@@ -21,6 +21,9 @@ pub struct RankRow {
     /// The version staged beside the active one (a rolling update in flight), if any.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub staged_version: String,
+    /// The version its last commit replaced, kept for a rollback until the update ends.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub previous_version: String,
     pub layout_identity: String,
     pub geometry_digest: String,
     pub kernel_rank_digest: String,
@@ -81,6 +84,7 @@ pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: String) -> RankRow {
         load_format: String::new(),
         checkpoint_version: String::new(),
         staged_version: String::new(),
+        previous_version: String::new(),
         layout_identity: String::new(),
         geometry_digest: String::new(),
         kernel_rank_digest: String::new(),
@@ -108,6 +112,7 @@ pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> 
         load_format: r.load_format.clone(),
         checkpoint_version: r.checkpoint_version.clone(),
         staged_version: r.staged_version.clone(),
+        previous_version: r.previous_version.clone(),
         layout_identity: id.digest,
         geometry_digest: id.geometry_digest,
         kernel_rank_digest: r.kernel_rank_digest.clone(),

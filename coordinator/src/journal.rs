@@ -179,6 +179,9 @@ pub enum Step {
     /// The abort decision (only ever before `decided`), written before any rank is told to drop
     /// what it staged; the replica keeps its version.
     Aborted,
+    /// An explicit rollback of a committed replica (`recover --rollback`), written before any
+    /// rank is told to swap back to the version its commit replaced.
+    RolledBack,
 }
 
 /// One journal event.
@@ -395,7 +398,7 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                                 Step::Decided => {
                                     s.decided.insert(dp, p.new_version.clone());
                                 }
-                                Step::Committed => {
+                                Step::Committed | Step::RolledBack => {
                                     s.decided.remove(&dp);
                                 }
                                 Step::Staging | Step::Verified | Step::Aborted => {}

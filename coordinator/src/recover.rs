@@ -26,7 +26,7 @@ use crate::rollout::CommitStatus;
 use crate::rotation::Rotation;
 use crate::server::Endpoint;
 use crate::session::{Session, SessionState};
-use crate::update::{UpdatePlan, drive_commit, rolling_update};
+use crate::update::{Proof, UpdatePlan, drive_commit, rolling_update, try_reinstate};
 use orchestrator_worker::auth::AllowedRoots;
 
 /// How a recovery resolves an interrupted update.
@@ -49,6 +49,8 @@ fn open_source(s: &SourceRecord) -> anyhow::Result<orchestrator_worker::LoadSour
 struct Observed {
     /// Each replica's version when all its ranks answer and hold the same one.
     versions: Vec<Option<String>>,
+    /// Each replica's version kept for a rollback, when all its ranks keep the same one.
+    previous: Vec<Option<String>>,
     /// Replicas with a rank that did not answer (dead or unreachable), with why.
     unreachable: BTreeMap<u32, String>,
     /// A line per rank.
@@ -56,16 +58,23 @@ struct Observed {
 }
 
 async fn observe(cluster: &Cluster) -> Observed {
-    let mut o = Observed { versions: Vec::new(), unreachable: BTreeMap::new(), lines: Vec::new() };
+    let mut o = Observed { versions: Vec::new(), previous: Vec::new(), unreachable: BTreeMap::new(), lines: Vec::new() };
     let reports = cluster.reports().await;
     for dp in 0..cluster.dp {
         let mut seen: Vec<String> = Vec::new();
+        let mut kept: Vec<String> = Vec::new();
         for w in cluster.workers.iter().filter(|w| w.dp == dp) {
             match reports.get(&w.id) {
                 Some(Ok(r)) => {
                     let staged = if r.staged_version.is_empty() { String::new() } else { format!(", staged {}", r.staged_version) };
-                    o.lines.push(format!("{}: version {}{staged}", w.label(), r.checkpoint_version));
+                    let previous = if r.previous_version.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", keeps {} for a rollback", r.previous_version)
+                    };
+                    o.lines.push(format!("{}: version {}{staged}{previous}", w.label(), r.checkpoint_version));
                     seen.push(r.checkpoint_version.clone());
+                    kept.push(r.previous_version.clone());
                 }
                 Some(Err(e)) => {
                     o.lines.push(format!("{}: {e}", w.label()));
@@ -79,6 +88,8 @@ async fn observe(cluster: &Cluster) -> Observed {
         }
         let whole = !o.unreachable.contains_key(&dp) && seen.windows(2).all(|w| w[0] == w[1]);
         o.versions.push(whole.then(|| seen.first().cloned()).flatten());
+        let kept_whole = whole && kept.windows(2).all(|w| w[0] == w[1]);
+        o.previous.push(kept_whole.then(|| kept.first().cloned()).flatten().filter(|v| !v.is_empty()));
     }
     o
 }
@@ -135,6 +146,8 @@ async fn resolve(
     mut steps: Vec<String>,
 ) -> anyhow::Result<(bool, SourceRecord, u64, Vec<String>)> {
     let Some(pending) = &replayed.pending else {
+        // No update in flight: nothing may be rolled back to any more.
+        cluster.release().await;
         if how == Resolve::Rollback {
             steps.push("no update was in flight: nothing to roll back".into());
         }
@@ -160,8 +173,40 @@ async fn resolve(
     for (dp, why) in &observed.unreachable {
         steps.push(format!("replica dp{dp}: left out of rotation, a rank does not answer: {why}"));
     }
+    // Rolling back: a replica whose commit in this update completed keeps, on every rank, the
+    // version that commit replaced. The explicit rollback decision is journaled, then every rank
+    // swaps back to it (no restaging); the replica serves again after a passing probe.
+    let mut rolled = Vec::new();
+    if how == Resolve::Rollback {
+        for dp in 0..cluster.dp {
+            let on_new = observed.versions[dp as usize].as_deref() == Some(pending.new_version.as_str());
+            let kept = observed.previous[dp as usize].as_deref() == Some(target_version.as_str());
+            if observed.unreachable.contains_key(&dp) || !on_new || !kept || rotation.state(dp).pending_commit.is_some() {
+                continue;
+            }
+            rotation.pull(dp, "rolling back");
+            journal.record(Event::UpdateStep { update: pending.update, dp, step: Step::RolledBack })?;
+            let answers = cluster.rollback(dp, &target_version).await;
+            let ranks = cluster.workers.iter().filter(|w| w.dp == dp).count();
+            if answers.len() == ranks && answers.values().all(|r| r.as_deref() == Ok(target_version.as_str())) {
+                let back = match try_reinstate(cluster, rotation, dp, probe, Proof::Verified, true).await {
+                    Ok(_) => String::new(),
+                    Err(why) => format!("; its probe failed, out of rotation: {why}"),
+                };
+                steps.push(format!("replica dp{dp}: rolled back to {target_version} from the copy every rank kept since its commit{back}"));
+                rolled.push(dp);
+            } else {
+                let errors: Vec<&str> = answers.values().filter_map(|r| r.as_ref().err().map(String::as_str)).collect();
+                steps.push(format!(
+                    "replica dp{dp}: the rollback from the kept copy did not finish ({}); restaging {target_version}",
+                    errors.join("; ")
+                ));
+            }
+        }
+    }
     let complete = observed.unreachable.is_empty() && rotation.states().iter().all(|s| s.pending_commit.is_none());
     let behind: Vec<u32> = (0..cluster.dp)
+        .filter(|dp| !rolled.contains(dp))
         .filter(|dp| !observed.unreachable.contains_key(dp))
         .filter(|&dp| rotation.state(dp).pending_commit.is_none())
         .filter(|&dp| observed.versions[dp as usize].as_deref() != Some(target_version.as_str()))
@@ -174,6 +219,7 @@ async fn resolve(
             note: format!("resolved after a coordinator restart: every replica already on {target_version}"),
         })?;
         steps.push(format!("every answering replica already holds {target_version}"));
+        cluster.release().await;
         return Ok((complete, target, pending.update, steps));
     }
     let SourceRecord::Checkpoint { dir } = &target else {

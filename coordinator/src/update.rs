@@ -233,6 +233,13 @@ pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots) -> Resu
 /// every replica in it before any commit is decided; a failure before the decision aborts the
 /// whole batch, and a decided commit is driven to every rank.
 pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, plan: UpdatePlan<'_>) -> UpdateOutcome {
+    let outcome = roll(cluster, rotation, running, plan).await;
+    // The update ended (its end is journaled): the versions kept for its rollback go.
+    cluster.release().await;
+    outcome
+}
+
+async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, plan: UpdatePlan<'_>) -> UpdateOutcome {
     let UpdatePlan { dir, probe, max_unavailable, replicas, journal, roots, commit_timeout } = plan;
     let start = Instant::now();
     let mut steps = Vec::new();

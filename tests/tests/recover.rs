@@ -81,11 +81,22 @@ fn a_restarted_coordinator_rolls_the_interrupted_update_back() {
     // Bit for bit what the cluster held before the update.
     assert_eq!(rank_digests(&after), rank_digests(&before));
     let events = journal(&state);
-    // dp0 (already on B) was taken back to A; dp1 never swapped.
-    assert!(events.iter().any(|e| e["event"] == "update_step" && e["update"] == 2 && e["dp"] == 0 && e["step"] == "committed"));
+    // dp0 (already on B) swapped back to the A every rank kept since its commit, after the
+    // journaled rollback decision, without restaging; dp1 never swapped.
+    let rolled = events.iter().position(|e| e["event"] == "update_step" && e["update"] == 1 && e["dp"] == 0 && e["step"] == "rolled_back");
+    let recovered = events.iter().position(|e| e["event"] == "recovered");
+    assert!(rolled.is_some() && rolled > recovered, "{events:#?}");
+    assert!(
+        !events.iter().any(|e| e["event"] == "update_step" && e["dp"] == 0 && e["step"] == "staging" && e["update"] == 2),
+        "{events:#?}"
+    );
     assert!(!events.iter().any(|e| e["event"] == "update_step" && e["dp"] == 1 && e["step"] == "committed"), "{events:#?}");
-    let last = events.last().unwrap();
-    assert_eq!((&last["event"], &last["ok"]), (&Value::from("update_end"), &Value::from(true)));
+    // The interrupted update is closed as not applied; nothing is kept for a rollback any more.
+    let end = events.iter().rev().find(|e| e["event"] == "update_end").unwrap();
+    assert_eq!(end["ok"], false, "{events:#?}");
+    let full = cluster.cmd("report", &["--json", "--no-probe"]);
+    let full: Value = serde_json::from_slice(&full.stdout).unwrap();
+    assert_eq!(full["ok"], true, "{full:#}");
 }
 
 /// The coordinator and a worker of the replica being staged both die: the restarted

@@ -30,6 +30,8 @@ fn rolling_update_with_probes(tp: &str, dp: &str, max_unavailable: &str) {
     let new_version = update["update"]["new_version"].as_str().unwrap();
     assert!(versions(&after).iter().all(|v| v == new_version), "{after}");
     assert_ne!(versions(&before), versions(&after));
+    // The update ended: no rank keeps the old version for a rollback any more.
+    assert!(after["ranks"].as_array().unwrap().iter().all(|r| r.get("previous_version").is_none()), "{after}");
     let fresh = run("orchestrator", &["launch", "--json", "--no-probe", "--tp", tp, "--dp", dp, "--checkpoint", b.to_str().unwrap()]);
     let fresh: Value = serde_json::from_slice(&fresh.stdout).unwrap();
     assert_eq!(rank_digests(&after), rank_digests(&fresh));

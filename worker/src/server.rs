@@ -48,6 +48,10 @@ struct State {
     weights: Option<RankWeights<AnyBackend>>,
     /// A staged version (rolling update): loaded beside the active weights, swapped in by Commit.
     shadow: Option<(RankWeights<AnyBackend>, Arc<LoadSource>)>,
+    /// The version the last Commit replaced, kept so that an explicit, journaled abort of the
+    /// update can swap it back; dropped by Release (the update ended) or the next Stage (so the
+    /// rank never holds more than two versions).
+    previous: Option<(RankWeights<AnyBackend>, Arc<LoadSource>)>,
     /// Bumped by every Stage and Abort: a stage stores its result only if no later Stage or
     /// Abort came meanwhile (a stage abandoned by a coordinator that died can never land after
     /// its successor aborted or restaged).
@@ -155,6 +159,7 @@ impl WorkerService {
             let mut st = lock(&self.state);
             if shadow {
                 st.stage_epoch += 1;
+                st.previous = None;
             }
             let epoch = st.stage_epoch;
             let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned yet (call Assign first)"))?;
@@ -380,9 +385,8 @@ impl Worker for WorkerService {
             }
             let (mut w, source) = st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
             w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
-            if let Some(p) = st.plan.as_mut() {
-                p.source = source;
-            }
+            let replaced = st.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
+            st.previous = st.weights.take().zip(replaced);
             st.weights = Some(w);
             Ok(pb::CommitResponse {
                 checkpoint_version: staged,
@@ -394,11 +398,37 @@ impl Worker for WorkerService {
         .map(Response::new)
     }
 
-    async fn abort(&self, _request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
-        self.with_state(|st| {
+    async fn abort(&self, request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
+        let pb::AbortRequest { rollback, expected_version } = request.into_inner();
+        self.with_state(move |st| {
             st.shadow = None;
             st.stage_epoch += 1;
+            if rollback {
+                let kept = st.previous.as_ref().map(|(_, s)| s.version());
+                match kept {
+                    None => return Err(Status::failed_precondition("abort: nothing kept to roll back to")),
+                    Some(v) if !expected_version.is_empty() && v != expected_version => {
+                        return Err(Status::failed_precondition(format!("abort: the kept version is {v}, expected {expected_version}")));
+                    }
+                    Some(_) => {}
+                }
+                let (mut w, source) = st.previous.take().ok_or_else(|| Status::failed_precondition("abort: nothing kept"))?;
+                w.generation = st.weights.as_ref().map_or(1, |cur| cur.generation + 1);
+                if let Some(p) = st.plan.as_mut() {
+                    p.source = source;
+                }
+                st.weights = Some(w);
+            }
             Ok(pb::AbortResponse { checkpoint_version: versions_of(st).0 })
+        })
+        .await
+        .map(Response::new)
+    }
+
+    async fn release(&self, _request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
+        self.with_state(|st| {
+            st.previous = None;
+            Ok(pb::ReleaseResponse {})
         })
         .await
         .map(Response::new)
@@ -424,6 +454,7 @@ impl Worker for WorkerService {
                     pid: std::process::id(),
                     checkpoint_version,
                     staged_version,
+                    previous_version: st.previous.as_ref().map(|(_, s)| s.version()).unwrap_or_default(),
                     generation: st.weights.as_ref().map_or(0, |w| w.generation),
                     round_trip_failures: vec!["not checked (brief report)".into()],
                     ..Default::default()
@@ -473,6 +504,7 @@ impl Worker for WorkerService {
                 load_seconds: st.load_seconds,
                 generation: w.generation,
                 staged_version: versions_of(&st).1,
+                previous_version: st.previous.as_ref().map(|(_, s)| s.version()).unwrap_or_default(),
             }))
         })
         .await
