@@ -301,9 +301,11 @@ impl Cluster {
             });
         }
         let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
-        // A new coordinator starts every ring on a fresh epoch: the rings the old one built may
-        // have broken meanwhile.
-        let ring_epochs = (0..dp).map(|_| AtomicU32::new(1)).collect();
+        // A new coordinator starts every ring on an epoch the old one cannot have used (it counted
+        // up from 0 by failures; this one starts from the clock), as the rings the old one built
+        // may have broken meanwhile.
+        let base = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_secs() as u32).max(1);
+        let ring_epochs = (0..dp).map(|_| AtomicU32::new(base)).collect();
         let mut cluster = Self { tp, dp, workers, registry, token, group_locks, tls, ring_epochs };
         // Lazily: a worker that died meanwhile fails its calls (and is named), it does not stop
         // the others from being adopted.

@@ -260,10 +260,20 @@ pub struct Replayed {
     pub complete_bytes: u64,
 }
 
+/// Where appending goes on: the file, the last sequence number and the length of the complete
+/// lines written.
+struct Appender {
+    file: File,
+    seq: u64,
+    len: u64,
+    /// Set when a failed write could not be cut back off: the file is not appended to again.
+    broken: Option<String>,
+}
+
 /// The open journal.
 pub struct Journal {
     path: PathBuf,
-    file: Mutex<(File, u64)>,
+    file: Mutex<Appender>,
     /// The state directory's lock, held for the journal's life.
     _lock: File,
 }
@@ -293,7 +303,7 @@ impl Journal {
             std::fs::remove_file(&path).map_err(io)?;
         }
         let file = OpenOptions::new().create_new(true).append(true).open(&path).map_err(io)?;
-        Ok(Self { path, file: Mutex::new((file, 0)), _lock: lock })
+        Ok(Self { path, file: Mutex::new(Appender { file, seq: 0, len: 0, broken: None }), _lock: lock })
     }
 
     /// Opens an existing journal to append to, after replaying it.
@@ -311,7 +321,8 @@ impl Journal {
             // Drop the torn tail so the next line starts clean.
             file.set_len(replayed.complete_bytes).map_err(io)?;
         }
-        Ok((Self { path, file: Mutex::new((file, replayed.lines)), _lock: lock }, replayed))
+        let appender = Appender { file, seq: replayed.lines, len: replayed.complete_bytes, broken: None };
+        Ok((Self { path, file: Mutex::new(appender), _lock: lock }, replayed))
     }
 
     pub fn path(&self) -> &Path {
@@ -319,17 +330,36 @@ impl Journal {
     }
 
     /// Appends one event and flushes it to disk before returning.
+    /// A write that fails (a full disk) is cut back off the file and uses up no sequence
+    /// number, so the journal stays replayable; if even that fails, every later write is refused.
     pub fn record(&self, event: Event) -> Result<(), JournalError> {
-        let mut guard = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        let (file, seq) = &mut *guard;
-        *seq += 1;
+        let mut a = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        let io = |source| JournalError::Io { dir: self.path.parent().unwrap_or(Path::new(".")).to_path_buf(), source };
+        if let Some(why) = &a.broken {
+            return Err(JournalError::Invalid {
+                file: self.path.clone(),
+                message: format!("refusing to write after a failed write: {why}"),
+            });
+        }
+        let seq = a.seq + 1;
         let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        let mut text = serde_json::to_string(&Line { seq: *seq, unix_ms, event })
+        let mut text = serde_json::to_string(&Line { seq, unix_ms, event })
             .map_err(|e| JournalError::Invalid { file: self.path.clone(), message: e.to_string() })?;
         text.push('\n');
-        let io = |source| JournalError::Io { dir: self.path.parent().unwrap_or(Path::new(".")).to_path_buf(), source };
-        file.write_all(text.as_bytes()).map_err(io)?;
-        file.sync_data().map_err(io)
+        match a.file.write_all(text.as_bytes()).and_then(|()| a.file.sync_data()) {
+            Ok(()) => {
+                a.seq = seq;
+                a.len += text.len() as u64;
+                Ok(())
+            }
+            Err(e) => {
+                let len = a.len;
+                if let Err(cut) = a.file.set_len(len).and_then(|()| a.file.sync_data()) {
+                    a.broken = Some(format!("{e}; cutting the partial line off failed too: {cut}"));
+                }
+                Err(io(e))
+            }
+        }
     }
 
     /// [`Journal::record`], logging instead of failing (a step that already happened on the
@@ -393,6 +423,9 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                     }
                     Event::UpdateStep { update, dp, step } => match &mut s.pending {
                         Some(p) if p.update == update && dp < s.plan.dp => {
+                            if step == Step::Aborted && p.steps.get(&dp) == Some(&Step::Decided) {
+                                return Err(corrupt(format!("replica dp{dp} aborted after its commit was decided")));
+                            }
                             p.steps.insert(dp, step);
                             match step {
                                 Step::Decided => {
@@ -541,6 +574,16 @@ mod tests {
         j.record(Event::CommitConfirmed { dp: 0, version: "vb".into() }).unwrap();
         let e = replay(j.path()).unwrap_err();
         assert!(matches!(e, JournalError::Corrupt { line: 12, .. }), "{e}");
+
+        // An abort after a commit decision is never written, and never accepted.
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        j.record(Event::Launched(plan())).unwrap();
+        j.record(begin(1)).unwrap();
+        j.record(Event::UpdateStep { update: 1, dp: 0, step: Step::Decided }).unwrap();
+        j.record(Event::UpdateStep { update: 1, dp: 0, step: Step::Aborted }).unwrap();
+        let e = replay(j.path()).unwrap_err();
+        assert!(matches!(&e, JournalError::Corrupt { line: 4, message, .. } if message.contains("after its commit was decided")), "{e}");
     }
 
     /// While a coordinator holds the state directory, neither a new launch nor a recovery may

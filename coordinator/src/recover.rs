@@ -264,8 +264,17 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
         plan.coordinator.parse().with_context(|| format!("{}: coordinator address {}", journal.path().display(), plan.coordinator))?;
     let tls = plan.tls_dir.as_deref().map(orchestrator_worker::tls::TlsFiles::load).transpose()?;
     let roots = AllowedRoots::new(&plan.allow_roots)?;
+    // Everything that can fail without the workers is checked before anything is touched: the
+    // model configuration comes from the source every replica serves (or, when that is gone,
+    // the one an interrupted update was moving to).
+    let config = match open_source(&replayed.current) {
+        Ok(s) => s.config().clone(),
+        Err(e) => match &replayed.pending {
+            Some(p) => open_source(&p.to).with_context(|| format!("{e:#}"))?.config().clone(),
+            None => return Err(e),
+        },
+    };
     let endpoint = Endpoint::start(listen, token.clone(), tls.as_ref()).await?;
-    let _token_file = TokenFileGuard(plan.token_file.starts_with(state_dir).then(|| plan.token_file.clone()));
     eprintln!("coordinator recovered from {} on {}; adopting {} workers", journal.path().display(), endpoint.address, plan.workers.len());
     let cluster = match Cluster::adopt(plan.tp, plan.dp, &plan.workers, endpoint.registry.clone(), token, tls).await {
         Ok(c) => c,
@@ -278,7 +287,13 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
         }
     };
     journal.record(Event::Recovered { note: format!("coordinator pid {} took over", std::process::id()) })?;
+    // Every replica is out of rotation until it has proved itself with a probe.
     let rotation = Arc::new(Rotation::new(vec![String::new(); plan.dp as usize]));
+    for dp in 0..plan.dp {
+        rotation.pull(dp, "recovering");
+    }
+    let probe = plan.probe.map(|(tokens, latents, seed)| ProbeSpec { tokens: tokens as usize, latents: latents as usize, seed });
+    let update_probe = probe.unwrap_or(crate::session::DEFAULT_UPDATE_PROBE);
     let mut steps = Vec::new();
     settle_decisions(&cluster, &rotation, &journal, &replayed, &mut steps).await;
     let observed = observe(&cluster).await;
@@ -286,15 +301,19 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
         eprintln!("  {line}");
     }
     for (dp, v) in observed.versions.iter().enumerate() {
+        let dp = dp as u32;
         match v {
-            Some(v) if rotation.state(dp as u32).pending_commit.is_none() => rotation.reinstate(dp as u32, v, true),
-            _ => rotation.pull(dp as u32, "its ranks did not agree on one version"),
-        };
+            Some(_) if rotation.state(dp).pending_commit.is_none() => {
+                if let Err(why) = try_reinstate(&cluster, &rotation, dp, update_probe, Proof::Verified, true).await {
+                    rotation.pull(dp, &format!("its probe failed: {why}"));
+                }
+            }
+            Some(_) => {}
+            None => {
+                rotation.pull(dp, "its ranks did not agree on one version");
+            }
+        }
     }
-    let source = open_source(&replayed.current)?;
-    let config = source.config().clone();
-    let probe = plan.probe.map(|(tokens, latents, seed)| ProbeSpec { tokens: tokens as usize, latents: latents as usize, seed });
-    let update_probe = probe.unwrap_or(crate::session::DEFAULT_UPDATE_PROBE);
     let (resolved, current_source, last_update, steps) =
         resolve(&cluster, &rotation, &journal, &replayed, &config, update_probe, how, &observed, &roots, steps).await?;
     for step in &steps {
@@ -324,6 +343,9 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
     if !resolved {
         eprintln!("recover: the interrupted update could not be resolved (see above); the cluster serves what each replica holds");
     }
+    // From here the cluster is this coordinator's: a token file the launch generated in the state
+    // directory goes when it shuts down (before, a failed recovery leaves it for a retry).
+    let _token_file = TokenFileGuard(plan.token_file.starts_with(state_dir).then(|| plan.token_file.clone()));
     endpoint.serve(Arc::new(session), &plan.token_file).await;
     endpoint.stop().await;
     Ok(resolved && report.ok)

@@ -108,48 +108,15 @@ impl Coordinator for CoordinatorService {
             )));
         }
         let session = self.session()?;
-        let _one_update_at_a_time = session.update_lock.lock().await;
-        let (update, from) = {
-            let mut st = session.state();
-            st.last_update += 1;
-            (st.last_update, st.current_source.clone())
-        };
-        let dir = std::path::Path::new(&r.checkpoint_dir);
-        let plan = crate::update::UpdatePlan {
-            dir,
-            probe: session.update_probe(),
-            max_unavailable: r.max_unavailable.max(1),
-            replicas: None,
-            journal: session.journal.as_deref().map(|j| (j, update, from)),
-            roots: &session.roots,
-            commit_timeout: session.commit_timeout,
-        };
-        let outcome = {
-            // Reports meanwhile see replicas on different versions as an update in flight.
-            let _in_flight = InFlight::set(&session.updating);
-            crate::update::rolling_update(&session.cluster, &session.rotation, &session.config, plan).await
-        };
-        if outcome.ok {
-            let mut st = session.state();
-            st.source_desc = format!("checkpoint {} (rolled out)", outcome.checkpoint);
-            st.current_source = crate::journal::SourceRecord::Checkpoint { dir: dir.to_path_buf() };
-        }
-        // The consistency report after the update (versions included).
-        let report = session.check(true).await;
-        let ok = outcome.ok && report.ok;
-        let mut text = String::new();
-        for step in &outcome.steps {
-            text.push_str(step);
-            text.push('\n');
-        }
-        text.push_str(&format!("update {} in {:.2} s\n", if outcome.ok { "done" } else { "FAILED" }, outcome.seconds));
-        text.push_str(&report.render());
-        let json = serde_json::json!({ "ok": ok, "update": outcome, "report": report });
-        Ok(Response::new(pb::UpdateResponse {
-            ok,
-            json: serde_json::to_string_pretty(&json).map_err(|e| Status::internal(e.to_string()))?,
-            text,
-        }))
+        // The update runs on a task of its own: a client that goes away (Ctrl-C, a lost
+        // connection, its deadline) cancels only its wait for the answer, never the protocol
+        // halfway (a replica left owned, a decision not driven, an update without its end).
+        let dir = std::path::PathBuf::from(&r.checkpoint_dir);
+        let max_unavailable = r.max_unavailable.max(1);
+        tokio::spawn(async move { run_update(&session, &dir, max_unavailable).await })
+            .await
+            .map_err(|e| Status::internal(format!("update task: {e}")))?
+            .map(Response::new)
     }
 
     async fn routed_probe(&self, request: Request<pb::RoutedProbeRequest>) -> Result<Response<pb::RoutedProbeResult>, Status> {
@@ -158,13 +125,59 @@ impl Coordinator for CoordinatorService {
             .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
         let session = self.session()?;
         let spec = orchestrator_worker::probe::ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
-        Ok(Response::new(crate::update::routed_probe(&session.cluster, &session.rotation, spec).await))
+        // On a task of its own, so a client that goes away cannot cut it off between a failure
+        // and pulling the replica (or the ring epoch that failure starts).
+        let result = tokio::spawn(async move { crate::update::routed_probe(&session.cluster, &session.rotation, spec).await })
+            .await
+            .map_err(|e| Status::internal(format!("probe task: {e}")))?;
+        Ok(Response::new(result))
     }
 
     async fn shutdown(&self, _request: Request<pb::ShutdownRequest>) -> Result<Response<pb::ShutdownResponse>, Status> {
         self.shutdown.notify_one();
         Ok(Response::new(pb::ShutdownResponse {}))
     }
+}
+
+/// One rolling update to `dir` and the consistency report after it.
+async fn run_update(session: &Session, dir: &std::path::Path, max_unavailable: u32) -> Result<pb::UpdateResponse, Status> {
+    let _one_update_at_a_time = session.update_lock.lock().await;
+    let (update, from) = {
+        let mut st = session.state();
+        st.last_update += 1;
+        (st.last_update, st.current_source.clone())
+    };
+    let plan = crate::update::UpdatePlan {
+        dir,
+        probe: session.update_probe(),
+        max_unavailable,
+        replicas: None,
+        journal: session.journal.as_deref().map(|j| (j, update, from)),
+        roots: &session.roots,
+        commit_timeout: session.commit_timeout,
+    };
+    let outcome = {
+        // Reports meanwhile see replicas on different versions as an update in flight.
+        let _in_flight = InFlight::set(&session.updating);
+        crate::update::rolling_update(&session.cluster, &session.rotation, &session.config, plan).await
+    };
+    if outcome.ok {
+        let mut st = session.state();
+        st.source_desc = format!("checkpoint {} (rolled out)", outcome.checkpoint);
+        st.current_source = crate::journal::SourceRecord::Checkpoint { dir: dir.to_path_buf() };
+    }
+    // The consistency report after the update (versions included).
+    let report = session.check(true).await;
+    let ok = outcome.ok && report.ok;
+    let mut text = String::new();
+    for step in &outcome.steps {
+        text.push_str(step);
+        text.push('\n');
+    }
+    text.push_str(&format!("update {} in {:.2} s\n", if outcome.ok { "done" } else { "FAILED" }, outcome.seconds));
+    text.push_str(&report.render());
+    let json = serde_json::json!({ "ok": ok, "update": outcome, "report": report });
+    Ok(pb::UpdateResponse { ok, json: serde_json::to_string_pretty(&json).map_err(|e| Status::internal(e.to_string()))?, text })
 }
 
 #[cfg(test)]

@@ -189,9 +189,11 @@ pub async fn health_loop(session: Arc<Session>) {
                             }
                         }
                     }
-                    match try_reinstate(cluster, rotation, dp, session.update_probe(), Proof::Verified, false).await {
-                        Ok(v) => eprintln!("replica dp{dp}: back in rotation on {v} after a passing probe"),
-                        Err(why) => tracing::info!(dp, "replica stays out of rotation: {why}"),
+                    let attempt = try_reinstate(cluster, rotation, dp, session.update_probe(), Proof::Verified, false);
+                    match tokio::time::timeout(limits::REINSTATE_TIMEOUT, attempt).await {
+                        Ok(Ok(v)) => eprintln!("replica dp{dp}: back in rotation on {v} after a passing probe"),
+                        Ok(Err(why)) => tracing::info!(dp, "replica stays out of rotation: {why}"),
+                        Err(_) => tracing::warn!(dp, "replica stays out of rotation: its probe took over {:?}", limits::REINSTATE_TIMEOUT),
                     }
                 }
             }

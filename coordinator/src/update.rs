@@ -81,7 +81,10 @@ pub async fn routed_probe(cluster: &Cluster, rotation: &Rotation, spec: ProbeSpe
             pb::RoutedProbeResult { ok: true, replica, checkpoint_version: version, error: String::new() }
         }
         Err(why) => {
-            rotation.pull(replica, &format!("a routed probe failed: {why}"));
+            // An update that took the replica meanwhile owns it (and proves it itself).
+            if !rotation.state(replica).owned_by_update {
+                rotation.pull(replica, &format!("a routed probe failed: {why}"));
+            }
             tracing::warn!(replica, "routed probe failed, replica out of rotation: {why}");
             pb::RoutedProbeResult {
                 ok: false,
@@ -162,6 +165,12 @@ pub async fn drive_commit(cluster: &Cluster, dp: u32, target: &str, limit: std::
             views.push(view);
         }
         match rollout::commit_status(target, &views, limit) {
+            // The limit holds for the whole drive, not only for silent ranks: a rank that answers
+            // but keeps failing its commit is stuck too.
+            CommitStatus::Pending { ranks } if start.elapsed() > limit => {
+                let why = format!("did not confirm the commit within {:.1} s", limit.as_secs_f64());
+                return CommitStatus::Stuck { ranks: ranks.into_iter().map(|r| (r, why.clone())).collect() };
+            }
             CommitStatus::Pending { .. } => tokio::time::sleep(limits::COMMIT_RETRY).await,
             done_or_stuck => return done_or_stuck,
         }
@@ -253,7 +262,11 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         pending_commits,
         seconds: start.elapsed().as_secs_f64(),
     };
-    if let Some((dp, v)) = rotation.states().iter().enumerate().find_map(|(dp, s)| s.pending_commit.clone().map(|v| (dp, v))) {
+    // A replica with a dead rank can be neither updated nor ever confirm a commit: it is skipped
+    // (and named). A live replica's unconfirmed commit must be finished first.
+    let states = rotation.states();
+    if let Some((dp, v)) = states.iter().enumerate().filter(|(_, s)| !s.dead).find_map(|(dp, s)| s.pending_commit.clone().map(|v| (dp, v)))
+    {
         let why = format!(
             "refused before touching any replica: replica dp{dp} has a decided commit to {v} that not every rank confirmed yet \
              (it is finished when its ranks answer; `orchestrator report` shows them)"
@@ -294,7 +307,19 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
     {
         return finish(false, new_version, vec![format!("refused before touching any replica: {e}")], pending_commits);
     }
-    let replicas: Vec<u32> = replicas.unwrap_or_else(|| (0..cluster.dp).collect());
+    let mut skipped = Vec::new();
+    let replicas: Vec<u32> = replicas
+        .unwrap_or_else(|| (0..cluster.dp).collect())
+        .into_iter()
+        .filter(|&dp| match states.get(dp as usize) {
+            Some(s) if s.dead => {
+                steps.push(format!("replica dp{dp}: skipped, a rank is dead: {}", s.out.as_deref().unwrap_or("dead")));
+                skipped.push(dp);
+                false
+            }
+            _ => true,
+        })
+        .collect();
     let mut reference_y: Option<String> = None;
     for group in rollout::batches(&replicas, max_unavailable, cluster.dp) {
         let mut failure: Option<(u32, String)> = None;
@@ -327,28 +352,38 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
                 failure.get_or_insert((dp, why));
             }
         }
+        // The commit decision of each replica, on disk before any of its ranks is told to swap.
+        // Once one is on disk that replica is committed, whatever happens to the rest of the
+        // batch: a failure to write the next one aborts only the replicas not yet decided.
+        let mut decided: Vec<u32> = Vec::new();
         if failure.is_none() {
             for &dp in &group {
                 note(Event::UpdateStep { update, dp, step: Step::Verified });
             }
-            // The commit decision, on disk before any rank is told to swap.
             for &dp in &group {
-                if let Err(e) = record(Event::UpdateStep { update, dp, step: Step::Decided }) {
-                    failure.get_or_insert((dp, e));
-                    break;
+                match record(Event::UpdateStep { update, dp, step: Step::Decided }) {
+                    Ok(()) => decided.push(dp),
+                    Err(e) => {
+                        failure.get_or_insert((dp, e));
+                        break;
+                    }
                 }
             }
         }
-        if let Some((failed, e)) = failure {
-            abort_batch(cluster, rotation, &group, &record, update, probe, failed, &e, &mut steps).await;
-            end(false, &format!("replica dp{failed} failed: {e}"));
-            return finish(false, new_version, steps, pending_commits);
+        let undecided: Vec<u32> = group.iter().copied().filter(|dp| !decided.contains(dp)).collect();
+        if let Some((failed, e)) = &failure {
+            abort_batch(cluster, rotation, &undecided, &record, update, probe, *failed, e, &mut steps).await;
+            if decided.is_empty() {
+                end(false, &format!("replica dp{failed} failed: {e}"));
+                return finish(false, new_version, steps, pending_commits);
+            }
         }
-        // Decided: drive every rank of every replica of the batch to the new version.
+        // Decided: drive every rank of every decided replica to the new version.
         let statuses =
-            futures_util::future::join_all(group.iter().map(|&dp| drive_commit(cluster, dp, &new_version, commit_timeout))).await;
+            futures_util::future::join_all(decided.iter().map(|&dp| drive_commit(cluster, dp, &new_version, commit_timeout))).await;
         let mut stuck = Vec::new();
-        for ((&dp, status), r) in group.iter().zip(statuses).zip(&staged) {
+        for (&dp, status) in decided.iter().zip(statuses) {
+            let r = &staged[group.iter().position(|g| *g == dp).unwrap_or(0)];
             let detail = r.as_ref().map(|(d, _)| d.as_str()).unwrap_or_default();
             match status {
                 CommitStatus::Done => {
@@ -383,10 +418,18 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             }
             rotation.release(dp);
         }
+        if let Some((failed, e)) = failure {
+            end(false, &format!("replica dp{failed} failed: {e}; replicas {decided:?} committed before it"));
+            return finish(false, new_version, steps, pending_commits);
+        }
         if !stuck.is_empty() {
             end(false, &format!("replicas {stuck:?}: commit decided, not confirmed by every rank"));
             return finish(false, new_version, steps, pending_commits);
         }
+    }
+    if !skipped.is_empty() {
+        end(false, &format!("every live replica verified and swapped; replicas {skipped:?} skipped (a rank is dead)"));
+        return finish(false, new_version, steps, pending_commits);
     }
     end(true, "every replica verified and swapped");
     finish(true, new_version, steps, pending_commits)

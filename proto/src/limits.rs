@@ -18,6 +18,9 @@ pub const COMMIT_DRIVE_LIMIT: Duration = Duration::from_secs(20);
 pub const COMMIT_RETRY: Duration = Duration::from_millis(200);
 /// How often the coordinator's health loop looks at every replica.
 pub const HEALTH_INTERVAL: Duration = Duration::from_millis(250);
+/// The longest a health-loop probe of a replica out of rotation may take (a replica whose probe
+/// hangs stays out and is tried again; the loop goes on with the others).
+pub const REINSTATE_TIMEOUT: Duration = Duration::from_secs(30);
 /// The least time between two attempts to bring a replica back into rotation.
 pub const REINSTATE_BACKOFF: Duration = Duration::from_secs(1);
 /// The largest gRPC message either side decodes.

@@ -151,6 +151,12 @@ impl WorkerService {
         tokio::task::spawn_blocking(move || f(&mut lock(&state))).await.map_err(|e| Status::internal(e.to_string()))?
     }
 
+    /// [`WorkerService::load_stream`] started from a blocking thread (it takes the state lock).
+    async fn load_stream_blocking(&self, reload_from: Option<LoadSource>, shadow: bool) -> Result<ProgressStream, Status> {
+        let service = self.clone();
+        tokio::task::spawn_blocking(move || service.load_stream(reload_from, shadow)).await.map_err(|e| Status::internal(e.to_string()))?
+    }
+
     /// Runs a load or reload on a blocking thread, streaming per-layer progress.
     /// `shadow`: load `reload_from` into fresh shadow buffers beside the active weights
     /// (a staged update) instead of into the active ones.
@@ -324,7 +330,7 @@ impl Worker for WorkerService {
     type LoadStream = ProgressStream;
 
     async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<Self::LoadStream>, Status> {
-        self.load_stream(None, false).map(Response::new)
+        self.load_stream_blocking(None, false).await.map(Response::new)
     }
 
     type ReloadStream = ProgressStream;
@@ -341,17 +347,23 @@ impl Worker for WorkerService {
                 )
             }
             None => {
-                let st = lock(&self.state);
-                let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
-                Some(match plan.source.as_ref() {
-                    LoadSource::Safetensors(c) => {
-                        LoadSource::open_checkpoint_within(c.dir(), &self.roots).map_err(|e| Status::permission_denied(e.to_string()))?
-                    }
-                    LoadSource::Dummy { config, generator } => LoadSource::Dummy { config: config.clone(), generator: *generator },
-                })
+                // The assigned source, opened again (outside the state lock: opening hashes it).
+                let assigned = self.with_state(|st| Ok(st.plan.as_ref().map(|p| p.source.clone()))).await?;
+                let assigned = assigned.ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+                let roots = self.roots.clone();
+                Some(
+                    tokio::task::spawn_blocking(move || match assigned.as_ref() {
+                        LoadSource::Safetensors(c) => {
+                            LoadSource::open_checkpoint_within(c.dir(), &roots).map_err(|e| Status::permission_denied(e.to_string()))
+                        }
+                        LoadSource::Dummy { config, generator } => Ok(LoadSource::Dummy { config: config.clone(), generator: *generator }),
+                    })
+                    .await
+                    .map_err(|e| Status::internal(e.to_string()))??,
+                )
             }
         };
-        self.load_stream(source, false).map(Response::new)
+        self.load_stream_blocking(source, false).await.map(Response::new)
     }
 
     type StageStream = ProgressStream;
@@ -361,12 +373,12 @@ impl Worker for WorkerService {
         let roots = self.roots.clone();
         let source =
             tokio::task::spawn_blocking(move || source_from(Some(&s), &roots)).await.map_err(|e| Status::internal(e.to_string()))??;
-        self.load_stream(Some(source), true).map(Response::new)
+        self.load_stream_blocking(Some(source), true).await.map(Response::new)
     }
 
     async fn commit(&self, request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
         let expected = request.into_inner().expected_version;
-        let slow = lock(&self.state).plan.as_ref().is_some_and(|p| p.fault == pb::Fault::SlowCommit);
+        let slow = self.with_state(|st| Ok(st.plan.as_ref().is_some_and(|p| p.fault == pb::Fault::SlowCommit))).await?;
         if slow {
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
@@ -555,7 +567,12 @@ impl Worker for WorkerService {
                     st.ring = Some((r.group, r.ring_epoch, ring));
                 }
                 let (_, _, ring) = st.ring.as_mut().expect("ring set above");
-                ring.all_reduce_sum(&mut y).map_err(|e| Status::unavailable(format!("all-reduce: {e}")))?;
+                if let Err(e) = ring.all_reduce_sum(&mut y) {
+                    // A failed ring is never reused: the next probe joins a ring again, whatever
+                    // epoch it names.
+                    st.ring = None;
+                    return Err(Status::unavailable(format!("all-reduce: {e}")));
+                }
             } else {
                 LocalCollective.all_reduce_sum(&mut y).map_err(|e| Status::internal(e.to_string()))?;
             }
