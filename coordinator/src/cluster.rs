@@ -3,7 +3,7 @@
 //! fanned out to every rank (assign, load, probe, report, shutdown) under a watchdog that turns
 //! a worker that exits or stops answering into a failure named by rank within seconds.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -29,48 +29,19 @@ pub const LOAD_DEADLINE: Duration = Duration::from_secs(1800);
 pub const PROBE_DEADLINE: Duration = Duration::from_secs(1800);
 pub const REPORT_DEADLINE: Duration = Duration::from_secs(300);
 pub const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(5);
+pub const READINESS_DEADLINE: Duration = Duration::from_secs(1);
 
-/// What a worker told the coordinator when it registered, and when it was last heard from.
-#[derive(Clone, Debug)]
-pub struct Registration {
-    pub address: String,
-    pub host: String,
-    pub device: String,
-    /// The process (pid, start time, boot, executable) as the worker reported it.
-    pub process: ProcessIdentity,
-    pub last_heartbeat: Instant,
-}
+pub use crate::registry::{Registration, Registry};
 
-/// Registrations by worker id, shared with the Coordinator service.
-#[derive(Default)]
-pub struct Registry {
-    pub workers: Mutex<HashMap<u32, Registration>>,
-}
-
-impl Registry {
-    pub fn register(&self, id: u32, r: Registration) {
-        self.workers.lock().unwrap_or_else(|p| p.into_inner()).insert(id, r);
-    }
-    pub fn heartbeat(&self, id: u32) -> bool {
-        match self.workers.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&id) {
-            Some(r) => {
-                r.last_heartbeat = Instant::now();
-                true
-            }
-            None => false,
-        }
-    }
-    pub fn get(&self, id: u32) -> Option<Registration> {
-        self.workers.lock().unwrap_or_else(|p| p.into_inner()).get(&id).cloned()
-    }
-}
-
-/// A worker's process: a child this coordinator started, or one a previous coordinator
-/// started and this one adopted from the state directory (known by its recorded identity only,
-/// and signalled only after proving it is still that process).
+/// A worker's process: a child this coordinator started, one a previous coordinator started
+/// and this one adopted from the state directory (known by its recorded identity only, and
+/// signalled only after proving it is still that process), or one an engine (Slurm,
+/// Kubernetes) or a user started, possibly on another host: known by its heartbeats only,
+/// asked to stop over gRPC and never signalled.
 pub enum WorkerProcess {
     Child(Box<tokio::sync::Mutex<Child>>),
     Adopted { identity: ProcessIdentity },
+    Remote,
 }
 
 impl WorkerProcess {
@@ -83,6 +54,7 @@ impl WorkerProcess {
                 Err(e) => Some(format!("cannot be waited on: {e}")),
             },
             Self::Adopted { identity } => (!identity.alive()).then(|| format!("exited (pid {} is gone)", identity.pid)),
+            Self::Remote => None,
         }
     }
 
@@ -103,6 +75,7 @@ impl WorkerProcess {
                 }
                 kill_adopted(identity);
             }
+            Self::Remote => {}
         }
     }
 
@@ -112,6 +85,8 @@ impl WorkerProcess {
                 let _ = child.lock().await.kill().await;
             }
             Self::Adopted { identity } => kill_adopted(identity),
+            // Not ours to signal: [`Cluster::kill_all`] asks it to stop.
+            Self::Remote => {}
         }
     }
 }
@@ -267,6 +242,25 @@ impl Cluster {
         Ok(Self { tp, dp, workers, registry, token, group_locks, tls, ring_epochs })
     }
 
+    /// The cluster of `tp * dp` workers that engines or users start and that register by rank
+    /// (see [`Cluster::connect_all`] for waiting on them).
+    pub fn remote(tp: u32, dp: u32, registry: Arc<Registry>, token: Token, tls: Option<TlsFiles>) -> Self {
+        let workers = (0..tp * dp)
+            .map(|id| WorkerHandle {
+                id,
+                dp: id / tp,
+                tp: id % tp,
+                process: WorkerProcess::Remote,
+                client: None,
+                collective: String::new(),
+                nccl_unique_id: Vec::new(),
+            })
+            .collect();
+        let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
+        let ring_epochs = (0..dp).map(|_| AtomicU32::new(0)).collect();
+        Self { tp, dp, workers, registry, token, group_locks, tls, ring_epochs }
+    }
+
     /// Takes over the workers a previous coordinator started (from its journal): registers
     /// them as just heard from, and connects to each.
     pub async fn adopt(
@@ -288,13 +282,14 @@ impl Cluster {
                     device: String::new(),
                     process: identity.clone(),
                     last_heartbeat: Instant::now(),
+                    rank_source: String::new(),
                 },
             );
             workers.push(WorkerHandle {
                 id: r.id,
                 dp: r.dp,
                 tp: r.tp,
-                process: WorkerProcess::Adopted { identity },
+                process: if r.remote { WorkerProcess::Remote } else { WorkerProcess::Adopted { identity } },
                 client: None,
                 collective: r.collective.clone(),
                 nccl_unique_id: crate::journal::from_hex(&r.nccl_unique_id).unwrap_or_default(),
@@ -306,6 +301,7 @@ impl Cluster {
         // may have broken meanwhile.
         let base = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_secs() as u32).max(1);
         let ring_epochs = (0..dp).map(|_| AtomicU32::new(base)).collect();
+        registry.assembled();
         let mut cluster = Self { tp, dp, workers, registry, token, group_locks, tls, ring_epochs };
         // Lazily: a worker that died meanwhile fails its calls (and is named), it does not stop
         // the others from being adopted.
@@ -331,6 +327,8 @@ impl Cluster {
                     executable: process.executable,
                     collective: w.collective.clone(),
                     nccl_unique_id: crate::journal::to_hex(&w.nccl_unique_id),
+                    remote: matches!(w.process, WorkerProcess::Remote),
+                    host: reg.as_ref().map(|r| r.host.clone()).unwrap_or_default(),
                 }
             })
             .collect()
@@ -344,15 +342,19 @@ impl Cluster {
         }
         let r = self.registry.get(w.id)?;
         let silent = r.last_heartbeat.elapsed();
+        // A worker on another host cannot be watched exited: one silent this long is presumed
+        // dead (its own coordinator grace has long ended it, if it still runs).
+        let dead = matches!(w.process, WorkerProcess::Remote) && silent > limits::REMOTE_PRESUMED_DEAD;
         (silent > HEARTBEAT_TIMEOUT).then(|| {
             (
-                false,
+                dead,
                 format!(
-                    "{} (pid {} on {}, {}) stopped answering: no heartbeat for {:.1} s",
+                    "{} (pid {} on host {}, {}) {}: no heartbeat for {:.1} s",
                     w.label(),
                     r.process.pid,
                     r.host,
                     r.device,
+                    if dead { "is presumed dead" } else { "stopped answering" },
                     silent.as_secs_f64()
                 ),
             )
@@ -393,13 +395,20 @@ impl Cluster {
                 }
             }
             if start.elapsed() > deadline {
+                let joined: Vec<String> =
+                    self.registry.by_host(self.tp * self.dp).into_iter().map(|(host, ranks)| format!("{host}: ranks {ranks:?}")).collect();
+                let joined = if joined.is_empty() { "no host joined".to_string() } else { format!("joined: {}", joined.join("; ")) };
                 return Err(missing
                     .into_iter()
-                    .map(|id| (id, format!("worker {id} did not register within {} s", deadline.as_secs())))
+                    .map(|id| {
+                        let (dp, tp) = (id / self.tp, id % self.tp);
+                        (id, format!("rank {id} (dp{dp}/tp{tp}) did not register within {} s ({joined})", deadline.as_secs()))
+                    })
                     .collect());
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        self.registry.assembled();
         self.connect_registered(false).await
     }
 
@@ -710,10 +719,58 @@ impl Cluster {
         }
     }
 
-    /// Kills every worker at once (after a failure).
+    /// Kills every worker at once (after a failure); workers this coordinator did not start are
+    /// asked to stop instead (whether or not they were connected yet).
     pub async fn kill_all(&self) {
         for w in &self.workers {
             w.process.kill().await;
         }
+        let remote = self.workers.iter().filter(|w| matches!(w.process, WorkerProcess::Remote)).filter_map(|w| {
+            let reg = self.registry.get(w.id)?;
+            let endpoint = orchestrator_worker::tls::endpoint(&reg.address, self.tls.as_ref()).ok()?;
+            let token = self.token.clone();
+            Some(async move {
+                let channel = endpoint.connect_timeout(SHUTDOWN_DEADLINE).connect().await.ok()?;
+                let req = orchestrator_worker::auth::request(pb::ShutdownRequest {}, SHUTDOWN_DEADLINE, Some(&token));
+                WorkerClient::new(channel).shutdown(req).await.ok()
+            })
+        });
+        futures_util::future::join_all(remote).await;
+    }
+
+    /// Fills in, from the registrations, where each row's rank runs: its host, device and pid
+    /// when the rank could not say (it failed), its address, and who started it.
+    pub fn annotate(&self, rows: &mut [crate::consistency::RankRow]) {
+        for row in rows {
+            let Some(reg) = self.registry.get(row.worker) else { continue };
+            if row.host.is_empty() {
+                row.host = reg.host.clone();
+            }
+            if row.device.is_empty() {
+                row.device = reg.device.clone();
+            }
+            if row.pid == 0 {
+                row.pid = reg.process.pid;
+            }
+            row.address = reg.address;
+            row.started_by = reg.rank_source;
+        }
+    }
+
+    /// Tells every rank of replica `dp` whether it serves verified weights (`version`), so its
+    /// grpc.health.v1 readiness follows the rotation; true when every rank took it.
+    pub async fn set_serving(&self, dp: u32, serving: bool, version: &str) -> bool {
+        let results = self
+            .fan_out_in(Some(dp), |w, mut client| {
+                let req = orchestrator_worker::auth::request(
+                    pb::SetServingRequest { serving, version: version.to_string() },
+                    READINESS_DEADLINE,
+                    Some(&self.token),
+                );
+                let label = w.label();
+                async move { client.set_serving(req).await.map(|_| ()).map_err(|s| format!("{label}: set serving: {}", s.message())) }
+            })
+            .await;
+        results.values().all(Result::is_ok)
     }
 }

@@ -13,9 +13,16 @@ pub struct RankRow {
     pub worker: u32,
     pub dp: u32,
     pub tp: u32,
+    /// The host as the engine that started the worker knows it (`SLURMD_NODENAME`, the pod's
+    /// node, else the host name).
     pub host: String,
     pub device: String,
     pub pid: u32,
+    /// The worker's advertised gRPC address, and who gave it its rank (`launch`, `slurm`, `lws`...).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub address: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub started_by: String,
     pub load_format: String,
     pub checkpoint_version: String,
     /// The version staged beside the active one (a rolling update in flight), if any.
@@ -81,6 +88,8 @@ pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: String) -> RankRow {
         host: String::new(),
         device: String::new(),
         pid: 0,
+        address: String::new(),
+        started_by: String::new(),
         load_format: String::new(),
         checkpoint_version: String::new(),
         staged_version: String::new(),
@@ -109,6 +118,8 @@ pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> 
         host: r.host.clone(),
         device: r.device.clone(),
         pid: r.pid,
+        address: String::new(),
+        started_by: String::new(),
         load_format: r.load_format.clone(),
         checkpoint_version: r.checkpoint_version.clone(),
         staged_version: r.staged_version.clone(),
@@ -188,6 +199,37 @@ pub struct ConsistencyReport {
     /// Each replica's place in the probe rotation, when the cluster is served.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub replicas: Vec<crate::rotation::ReplicaState>,
+    /// Per host: its ranks, how many are ok, and its slowest load.
+    pub hosts: Vec<HostSummary>,
+}
+
+/// One host's ranks in the report.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct HostSummary {
+    pub host: String,
+    pub ranks: Vec<RankId>,
+    pub ok: usize,
+    pub failed: usize,
+    /// The slowest load of its ranks (they load in parallel).
+    pub load_seconds: f64,
+}
+
+/// Groups the rows by host (a rank that never said where it runs is under `unknown`).
+pub fn host_summaries(ranks: &[RankRow]) -> Vec<HostSummary> {
+    let mut hosts: BTreeMap<String, HostSummary> = BTreeMap::new();
+    for r in ranks {
+        let name = if r.host.is_empty() { "unknown".to_string() } else { r.host.clone() };
+        let h =
+            hosts.entry(name.clone()).or_insert_with(|| HostSummary { host: name, ranks: Vec::new(), ok: 0, failed: 0, load_seconds: 0.0 });
+        h.ranks.push(RankId::of(r));
+        if r.verdict == "ok" {
+            h.ok += 1;
+        } else {
+            h.failed += 1;
+        }
+        h.load_seconds = h.load_seconds.max(r.load_seconds);
+    }
+    hosts.into_values().collect()
 }
 
 fn label(r: &RankRow) -> String {
@@ -399,7 +441,8 @@ pub fn evaluate(
         r.verdict = if bad { "FAIL".into() } else { "ok".into() };
     }
     let ok = rules.iter().all(|r| r.ok) && ranks.iter().all(|r| r.verdict == "ok");
-    ConsistencyReport { ok, tp_size, dp_size, source, ranks, rules, notes, timings, replicas: Vec::new() }
+    let hosts = host_summaries(&ranks);
+    ConsistencyReport { ok, tp_size, dp_size, source, ranks, rules, notes, timings, replicas: Vec::new(), hosts }
 }
 
 impl ConsistencyReport {
@@ -438,6 +481,20 @@ impl ConsistencyReport {
                 r.verdict,
                 if r.staged_version.is_empty() { String::new() } else { format!(" (staged {})", r.staged_version) },
                 r.failure.as_ref().map(|f| format!(" ({f})")).unwrap_or_default()
+            );
+        }
+        for h in &self.hosts {
+            let ranks: Vec<String> = h.ranks.iter().map(|r| format!("dp{}/tp{}", r.dp, r.tp)).collect();
+            let _ = writeln!(
+                s,
+                "host {}: {} rank{} ({}), {} ok, {} failed, load {:.2} s",
+                h.host,
+                h.ranks.len(),
+                if h.ranks.len() == 1 { "" } else { "s" },
+                ranks.join(" "),
+                h.ok,
+                h.failed,
+                h.load_seconds
             );
         }
         for (dp, r) in self.replicas.iter().enumerate() {

@@ -108,6 +108,12 @@ pub struct WorkerRecord {
     /// GPU workers: the NCCL unique id of the group (hex; empty on CPU workers).
     #[serde(default)]
     pub nccl_unique_id: String,
+    /// Started by an engine or a user (not by the coordinator): adopted as remote, never signalled.
+    #[serde(default)]
+    pub remote: bool,
+    /// The host it registered from.
+    #[serde(default)]
+    pub host: String,
 }
 
 impl WorkerRecord {
@@ -495,6 +501,8 @@ mod tests {
                     start_ticks: 1000 + u64::from(id),
                     boot_id: "boot".into(),
                     executable: "/usr/bin/orchestrator-worker".into(),
+                    remote: id == 3,
+                    host: format!("n{}", id / 2),
                 })
                 .collect(),
             version: "va".into(),

@@ -1,6 +1,7 @@
-//! `orchestrator launch`: validate the plan, start the coordinator service and one worker
-//! process per rank, assign shards, load in parallel, probe, report, and stop (or keep
-//! serving).
+//! `orchestrator launch` and `orchestrator coordinator`: validate the plan, start the
+//! coordinator service, start one worker process per rank here (`launch`) or wait for the
+//! workers an engine started to register (`coordinator`), assign shards, load in parallel,
+//! probe, report, and stop (or keep serving).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -32,8 +33,8 @@ pub const DEFAULT_LAYERS: usize = 4;
 pub struct LaunchPlan {
     pub tp: u32,
     pub dp: u32,
-    /// Where the workers run (GPU workers: one GPU each).
-    pub device: WorkerDevice,
+    /// Who starts the workers.
+    pub workers: Workers,
     pub source: pb::LoadSource,
     /// The same source opened in the coordinator (golden verification, plan validation).
     pub local_source: Arc<LoadSource>,
@@ -58,10 +59,19 @@ pub struct LaunchPlan {
     pub commit_timeout: Duration,
     /// The journal of the plan, the workers and every update step (`--state-dir`).
     pub journal: Option<Arc<Journal>>,
-    /// How long workers keep serving while the coordinator is unreachable.
-    pub worker_grace: Duration,
     /// Run the control plane over TLS with these files.
     pub tls: Option<orchestrator_worker::tls::TlsFiles>,
+}
+
+/// Who starts a cluster's workers.
+#[derive(Clone, Copy, Debug)]
+pub enum Workers {
+    /// `launch`: one worker process per rank on this host, on `device` (GPU workers: one GPU
+    /// each), that keeps serving for `grace` while the coordinator is unreachable.
+    Local { device: WorkerDevice, grace: Duration },
+    /// `coordinator`: Slurm, Kubernetes or a user start them anywhere; wait up to `timeout` for
+    /// every rank to register.
+    Join { timeout: Duration },
 }
 
 /// Where the default checkpoint lives: `$ORCHESTRATOR_CACHE`, else `$XDG_CACHE_HOME/orchestrator`,
@@ -108,11 +118,12 @@ async fn failure_report(plan: &LaunchPlan, cluster: &Cluster, failures: Failures
             *msg = format!("{} {how}; {msg}", w.label());
         }
     }
-    let rows = cluster
+    let mut rows: Vec<_> = cluster
         .workers
         .iter()
         .map(|w| failed_row(w.id, w.dp, w.tp, f.get(&w.id).cloned().unwrap_or_else(|| "stopped after another rank failed".into())))
         .collect();
+    cluster.annotate(&mut rows);
     evaluate(plan.tp, plan.dp, plan.source_desc.clone(), rows, None, timings, false)
 }
 
@@ -134,24 +145,45 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     // coordinator killed outright leaves it for `recover`).
     let _token_file = TokenFileGuard(plan.token_generated.then(|| plan.token_file.clone()));
     let mut timings = BTreeMap::new();
-    let endpoint = Endpoint::start(plan.listen, plan.token.clone(), plan.tls.as_ref()).await?;
+    let endpoint = Endpoint::start(plan.listen, plan.token.clone(), plan.tls.as_ref(), plan.tp * plan.dp).await?;
     let address = endpoint.address;
-    eprintln!("coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);
-
-    let mut cluster = Cluster::spawn(
-        plan.device,
-        plan.tp,
-        plan.dp,
-        &endpoint.url,
-        endpoint.registry.clone(),
-        plan.token.clone(),
-        &plan.token_file,
-        &plan.allow_roots,
-        plan.worker_grace,
-        plan.tls.clone(),
-    )?;
+    let (mut cluster, join_deadline) = match plan.workers {
+        Workers::Local { device, grace } => {
+            eprintln!("coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);
+            let cluster = Cluster::spawn(
+                device,
+                plan.tp,
+                plan.dp,
+                &endpoint.url,
+                endpoint.registry.clone(),
+                plan.token.clone(),
+                &plan.token_file,
+                &plan.allow_roots,
+                grace,
+                plan.tls.clone(),
+            )?;
+            (cluster, Duration::from_secs(30))
+        }
+        Workers::Join { timeout } => {
+            eprintln!(
+                "coordinator listening on {address} ({}); waiting up to {} s for {} workers to register (TP {} x DP {})",
+                endpoint.url,
+                timeout.as_secs(),
+                plan.tp * plan.dp,
+                plan.tp,
+                plan.dp
+            );
+            let cluster = Cluster::remote(plan.tp, plan.dp, endpoint.registry.clone(), plan.token.clone(), plan.tls.clone());
+            (cluster, timeout)
+        }
+    };
     let up = async {
-        cluster.connect_all(Duration::from_secs(30)).await?;
+        cluster.connect_all(join_deadline).await?;
+        if matches!(plan.workers, Workers::Join { .. }) {
+            let hosts: Vec<String> =
+                cluster.registry.by_host(plan.tp * plan.dp).into_iter().map(|(h, r)| format!("{h} (ranks {r:?})")).collect();
+            eprintln!("every rank registered: {}", hosts.join(", "));
+        }
         cluster.assign(&plan.source, plan.scale_rule.name(), plan.fault, plan.dump_dir.as_deref()).await
     };
     if let Err(f) = up.await {

@@ -1,11 +1,13 @@
 //! `orchestrator`: the coordinator CLI: launch a cluster of workers and check it, report on
 //! a served cluster, shut it down, and synthesize or inspect checkpoints.
 
+mod cli;
 mod cluster;
 mod consistency;
 mod journal;
 mod launch;
 mod recover;
+mod registry;
 mod rollout;
 mod rotation;
 mod server;
@@ -39,7 +41,11 @@ struct Cli {
 enum Command {
     /// Start a coordinator and one worker process per rank, load, probe, and print the
     /// consistency report (exit code 0 only when every check agrees).
-    Launch(LaunchArgs),
+    Launch(cli::launch::LaunchArgs),
+    /// The coordinator alone: wait for the TP x DP workers that Slurm, Kubernetes or a user
+    /// start (`orchestrator-worker serve --coordinator URL --rank auto`) to register, then
+    /// assign, load, probe and report as `launch` does (and with --serve, keep serving).
+    Coordinator(cli::launch::CoordinatorArgs),
     /// Re-run the checks of a `launch --serve` cluster.
     Report(RemoteArgs),
     /// Stop a `launch --serve` cluster.
@@ -53,6 +59,9 @@ enum Command {
     /// Restart a coordinator that died from its `--state-dir`: adopt the running workers,
     /// finish (or `--rollback`) the update it left in flight, report, and serve.
     Recover(RecoverArgs),
+    /// A server's grpc.health.v1 status (coordinator or worker; no token needed): exit code 0
+    /// only when SERVING, i.e. ready on verified weights (a container healthcheck, a script).
+    Health(HealthArgs),
     /// Checkpoint tools.
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
@@ -63,91 +72,6 @@ enum Command {
     /// installed next to this binary).
     #[command(hide = true)]
     WorkerServe(orchestrator_worker::cli::ServeArgs),
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Device {
-    Cpu,
-    Cuda,
-}
-
-#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
-enum Verify {
-    Golden,
-}
-
-#[derive(Args)]
-struct LaunchArgs {
-    /// Tensor-parallel size.
-    #[arg(long)]
-    tp: u32,
-    /// Data-parallel replicas (each a whole TP group).
-    #[arg(long, default_value_t = 1)]
-    dp: u32,
-    /// Hugging Face checkpoint directory (default: a built-in dsv41-flash checkpoint, synthesized once into the cache).
-    #[arg(long, conflicts_with = "dummy")]
-    checkpoint: Option<PathBuf>,
-    /// Every worker generates its weights instead of reading a checkpoint.
-    #[command(flatten)]
-    dummy: orchestrator_worker::cli::DummyArgs,
-    #[arg(long, default_value = "rceil")]
-    scale_rule: orchestrator_kernels::ScaleRule,
-    #[arg(long, value_enum, default_value = "cpu")]
-    device: Device,
-    /// Probe every rank: T tokens, S latents, seed.
-    #[arg(long, value_name = "T,S[,SEED]", default_value = "4,64")]
-    probe: orchestrator_worker::probe::ProbeSpec,
-    /// Skip the probes.
-    #[arg(long)]
-    no_probe: bool,
-    /// Also recompute every rank's kernel digests in the coordinator with the plain reference path.
-    #[arg(long, value_enum)]
-    verify: Option<Verify>,
-    /// Debugging: make worker RANK (0..tp*dp, dp-major) reproduce a bug: skip-permute,
-    /// double-permute, stale-reload, crash-during-load, crash-during-stage, slow-stage, slow-commit.
-    #[arg(long, value_name = "RANK:KIND")]
-    inject_fault: Option<String>,
-    /// Every worker writes its kernel-visible tensors to DIR/dp{D}/rank{R}.safetensors.
-    #[arg(long, value_name = "DIR")]
-    dump: Option<PathBuf>,
-    /// Print the report as one JSON document.
-    #[arg(long)]
-    json: bool,
-    /// Keep the cluster up after the report (see `orchestrator report` and `shutdown`).
-    #[arg(long)]
-    serve: bool,
-    /// Coordinator address (loopback by default).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    listen: std::net::SocketAddr,
-    /// The cluster's shared token (default: a fresh random one, written under the cache
-    /// directory for the launch's lifetime; `--serve` prints its path).
-    #[arg(long, value_name = "FILE")]
-    token_file: Option<PathBuf>,
-    /// More directories workers may read checkpoints from (the launched checkpoint's is always allowed).
-    #[arg(long, value_name = "DIR")]
-    allow_root: Vec<PathBuf>,
-    /// Journal the plan, the workers and every update step here, so that a coordinator killed
-    /// mid-update can be restarted with `orchestrator recover --state-dir DIR`. Without
-    /// `--token-file`, the generated token is kept here too.
-    #[arg(long, value_name = "DIR")]
-    state_dir: Option<PathBuf>,
-    /// Seconds workers keep serving while the coordinator is unreachable (default: 3, or 60
-    /// with --state-dir so that `recover` can find them).
-    #[arg(long, value_name = "SECS")]
-    worker_grace: Option<f64>,
-    /// Seconds an update keeps driving a decided commit to a rank that does not answer before
-    /// it reports the rank and leaves the commit pending (finished when the rank answers);
-    /// default 20.
-    #[arg(long, value_name = "SECS")]
-    commit_timeout: Option<f64>,
-    /// Run the control plane (coordinator and workers) over TLS with the cluster's files in DIR
-    /// (`ca.pem`, `node.pem`, `node.key`; see `orchestrator tls generate`). Needed for a
-    /// non-loopback --listen.
-    #[arg(long, value_name = "DIR")]
-    tls_dir: Option<PathBuf>,
-    /// Allow a non-loopback --listen without TLS.
-    #[arg(long)]
-    insecure: bool,
 }
 
 #[derive(Subcommand)]
@@ -219,6 +143,53 @@ struct RemoteArgs {
     /// The cluster's TLS directory (its `ca.pem`), for an `https://` coordinator.
     #[arg(long, value_name = "DIR")]
     tls_dir: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct HealthArgs {
+    /// The server, e.g. http://10.0.0.5:50051 (https:// with --tls-dir).
+    #[arg(long)]
+    address: String,
+    /// The health service to ask for: "" (readiness: serving verified weights) or `liveness`.
+    #[arg(long, default_value = "")]
+    service: String,
+    /// The cluster's TLS directory (its `ca.pem`), for an `https://` server.
+    #[arg(long, value_name = "DIR")]
+    tls_dir: Option<PathBuf>,
+    /// Keep asking for up to SECS until the answer is SERVING.
+    #[arg(long, value_name = "SECS", default_value_t = 0.0)]
+    wait: f64,
+}
+
+fn health_cmd(a: HealthArgs) -> anyhow::Result<bool> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let wait = std::time::Duration::try_from_secs_f64(a.wait).map_err(|e| anyhow::anyhow!("--wait {}: {e}", a.wait))?;
+    let tls = a.tls_dir.as_deref().map(orchestrator_worker::tls::TlsFiles::load_client).transpose()?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let start = std::time::Instant::now();
+        loop {
+            let answer = async {
+                let channel = orchestrator_worker::tls::connect(&a.address, tls.as_ref()).await?;
+                let mut req = tonic::Request::new(HealthCheckRequest { service: a.service.clone() });
+                req.set_timeout(std::time::Duration::from_secs(5));
+                let r = HealthClient::new(channel).check(req).await.map_err(|s| anyhow::anyhow!("{}", describe_status(&s)))?;
+                anyhow::Ok(r.into_inner().status())
+            }
+            .await;
+            let serving = matches!(answer, Ok(ServingStatus::Serving));
+            if serving || start.elapsed() >= wait {
+                let what = match &answer {
+                    Ok(s) => s.as_str_name().to_string(),
+                    Err(e) => format!("UNREACHABLE ({e:#})"),
+                };
+                emit(&format!("{what}\n"));
+                return Ok(serving);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
 }
 
 #[derive(Subcommand)]
@@ -344,171 +315,6 @@ fn inspect_cmd(a: InspectArgs) -> anyhow::Result<bool> {
     }
     emit(&out);
     Ok(r.valid)
-}
-
-fn parse_fault(s: &str, workers: u32) -> anyhow::Result<(u32, orchestrator_proto::v1::Fault)> {
-    use orchestrator_proto::v1::Fault;
-    let (rank, kind) = s.split_once(':').ok_or_else(|| anyhow::anyhow!("--inject-fault `{s}`: expected RANK:KIND"))?;
-    let rank: u32 = rank.parse().map_err(|e| anyhow::anyhow!("--inject-fault `{s}`: rank: {e}"))?;
-    anyhow::ensure!(rank < workers, "--inject-fault `{s}`: rank {rank} is outside 0..{workers}");
-    let kind = match kind {
-        "skip-permute" => Fault::SkipPermute,
-        "double-permute" => Fault::DoublePermute,
-        "stale-reload" => Fault::StaleReload,
-        "crash-during-load" => Fault::CrashDuringLoad,
-        "crash-during-stage" => Fault::CrashDuringStage,
-        "slow-stage" => Fault::SlowStage,
-        "slow-commit" => Fault::SlowCommit,
-        other => {
-            anyhow::bail!(
-                "--inject-fault `{s}`: unknown kind `{other}` (skip-permute, double-permute, stale-reload, crash-during-load, crash-during-stage, slow-stage, slow-commit)"
-            )
-        }
-    };
-    Ok((rank, kind))
-}
-
-fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
-    use orchestrator_proto::v1 as pb;
-    // Every size is checked before anything is opened, allocated or started.
-    orchestrator_model::limits::check_cluster(a.tp as usize, a.dp as usize, true)
-        .map_err(|e| anyhow::anyhow!("--tp {} --dp {}: {e}", a.tp, a.dp))?;
-    let device = match a.device {
-        Device::Cpu => launch::WorkerDevice::Cpu,
-        // Fail before starting anything when CUDA cannot work here.
-        #[cfg(feature = "cuda")]
-        Device::Cuda => {
-            orchestrator_kernels::cuda::CudaLibraries::probe().require_all()?;
-            launch::WorkerDevice::Cuda
-        }
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda => anyhow::bail!("--device cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)"),
-    };
-    // Resolve and validate the plan before starting anything.
-    let (source, local, desc) = if a.dummy.dummy {
-        let d = &a.dummy;
-        let (preset, local) = (d.preset()?, d.source()?);
-        let layers = local.config().geometry.layers;
-        let bf16 = d.dtype == orchestrator_worker::cli::DummyDtype::Bf16;
-        let src = pb::LoadSource {
-            kind: Some(pb::load_source::Kind::Dummy(pb::DummySource {
-                preset: preset.name().into(),
-                layers: layers as u32,
-                seed: d.seed,
-                bf16,
-            })),
-        };
-        (src, local, format!("dummy {} x {layers} layers, seed {}", preset.name(), d.seed))
-    } else {
-        let dir = match &a.checkpoint {
-            Some(d) => d.clone(),
-            None => launch::default_checkpoint()?,
-        };
-        let dir = dir.canonicalize().with_context(|| format!("checkpoint {}", dir.display()))?;
-        // The checkpoint's own folder (for a Hugging Face hub snapshot: its repo folder, where
-        // the snapshot's symlinks point) is allowed; every file must lie under it.
-        let own = orchestrator_worker::auth::AllowedRoots::for_checkpoint(&dir)?;
-        let local = orchestrator_worker::LoadSource::open_checkpoint_within(&dir, &own)
-            .with_context(|| format!("opening checkpoint {}", dir.display()))?;
-        let src = pb::LoadSource { kind: Some(pb::load_source::Kind::CheckpointDir(dir.display().to_string())) };
-        (src, local, format!("checkpoint {}", dir.display()))
-    };
-    orchestrator_model::plan::validate_tp(&local.config().geometry, a.tp as usize)?;
-    let fault = a.inject_fault.as_deref().map(|s| parse_fault(s, a.tp * a.dp)).transpose()?;
-    let mut allow_roots = a
-        .allow_root
-        .iter()
-        .map(|r| r.canonicalize().with_context(|| format!("--allow-root {}", r.display())))
-        .collect::<Result<Vec<_>, _>>()?;
-    if let orchestrator_worker::LoadSource::Safetensors(c) = &local {
-        allow_roots.extend(orchestrator_worker::auth::AllowedRoots::for_checkpoint(c.dir())?.roots().iter().cloned());
-    }
-    let tls = match &a.tls_dir {
-        Some(d) => {
-            Some(orchestrator_worker::tls::TlsFiles::load(&d.canonicalize().with_context(|| format!("--tls-dir {}", d.display()))?)?)
-        }
-        None => None,
-    };
-    orchestrator_worker::tls::check_listen(a.listen, tls.as_ref(), a.insecure, "--listen").map_err(anyhow::Error::msg)?;
-    let state_dir = match &a.state_dir {
-        Some(d) => {
-            std::fs::create_dir_all(d).with_context(|| format!("--state-dir {}", d.display()))?;
-            Some(d.canonicalize().with_context(|| format!("--state-dir {}", d.display()))?)
-        }
-        None => None,
-    };
-    // Everything that can be refused is checked before the journal and the token file are made,
-    // so a refused launch leaves neither behind.
-    let grace = a.worker_grace.unwrap_or(if state_dir.is_some() { 60.0 } else { 3.0 });
-    let worker_grace = std::time::Duration::try_from_secs_f64(grace).map_err(|e| anyhow::anyhow!("--worker-grace {grace}: {e}"))?;
-    let roots = orchestrator_worker::auth::AllowedRoots::new(&allow_roots)?;
-    let commit_timeout = a.commit_timeout.unwrap_or(orchestrator_proto::limits::COMMIT_DRIVE_LIMIT.as_secs_f64());
-    let commit_timeout = std::time::Duration::try_from_secs_f64(commit_timeout)
-        .ok()
-        .filter(|d| !d.is_zero() && d.as_secs() <= 3600)
-        .ok_or_else(|| anyhow::anyhow!("--commit-timeout {commit_timeout}: must be in (0, 3600] seconds"))?;
-    let dump_dir = match &a.dump {
-        Some(d) => {
-            std::fs::create_dir_all(d).with_context(|| format!("--dump {}", d.display()))?;
-            Some(d.canonicalize()?)
-        }
-        None => None,
-    };
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let journal = state_dir.as_deref().map(journal::Journal::create).transpose()?.map(std::sync::Arc::new);
-    let (token, token_file, token_generated) = match (&a.token_file, &state_dir) {
-        (Some(p), _) => (orchestrator_worker::auth::Token::read(p)?, p.canonicalize()?, false),
-        (None, dir) => {
-            let p = match dir {
-                Some(d) => d.join(journal::TOKEN_FILE),
-                None => launch::cache_dir().join("run").join(format!("coordinator-{}.token", std::process::id())),
-            };
-            (orchestrator_worker::auth::Token::generate(&p)?, p, true)
-        }
-    };
-    let plan = launch::LaunchPlan {
-        tp: a.tp,
-        dp: a.dp,
-        device,
-        source,
-        local_source: std::sync::Arc::new(local),
-        source_desc: desc,
-        scale_rule: a.scale_rule,
-        probe: (!a.no_probe).then_some(a.probe),
-        fault,
-        verify_golden: a.verify == Some(Verify::Golden),
-        listen: a.listen,
-        token,
-        token_file,
-        token_generated,
-        roots,
-        commit_timeout,
-        allow_roots,
-        journal,
-        worker_grace,
-        tls,
-        dump_dir,
-    };
-    let (json, serve) = (a.json, a.serve);
-    runtime.block_on(async move {
-        let run = launch::launch(plan, serve, |report| {
-            if json {
-                emit(&format!("{}\n", serde_json::to_string_pretty(report).unwrap_or_default()));
-            } else {
-                emit(&report.render());
-            }
-        });
-        if serve {
-            // A served cluster stops gracefully on a signal by itself.
-            return run.await;
-        }
-        // Interrupted: dropping the launch kills its workers and removes its token file.
-        let signal = orchestrator_worker::grpc::shutdown_signal();
-        tokio::select! {
-            r = run => r,
-            _ = signal => anyhow::bail!("interrupted: the workers were stopped and the launch's token file removed"),
-        }
-    })
 }
 
 /// A channel to the coordinator `a` names (over TLS for `https://`).
@@ -689,12 +495,14 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Launch(a) => launch_cmd(a),
+        Command::Launch(a) => cli::launch::launch_cmd(a),
+        Command::Coordinator(a) => cli::launch::coordinator_cmd(a),
         Command::Report(a) => remote_cmd(a, false),
         Command::Shutdown(a) => remote_cmd(a, true),
         Command::Update(a) => update_cmd(a),
         Command::Probe(a) => probe_cmd(a),
         Command::Recover(a) => recover_cmd(a),
+        Command::Health(a) => health_cmd(a),
         Command::Tls(TlsCommand::Generate { out, name }) => tls_generate(out, name),
         Command::WorkerServe(a) => a.run().map(|()| true),
         Command::Checkpoint(CheckpointCommand::Synth(a)) => synth(a),

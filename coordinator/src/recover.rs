@@ -274,7 +274,7 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
             None => return Err(e),
         },
     };
-    let endpoint = Endpoint::start(listen, token.clone(), tls.as_ref()).await?;
+    let endpoint = Endpoint::start(listen, token.clone(), tls.as_ref(), plan.tp * plan.dp).await?;
     eprintln!("coordinator recovered from {} on {}; adopting {} workers", journal.path().display(), endpoint.address, plan.workers.len());
     let cluster = match Cluster::adopt(plan.tp, plan.dp, &plan.workers, endpoint.registry.clone(), token, tls).await {
         Ok(c) => c,

@@ -26,20 +26,23 @@ pub struct Endpoint {
     pub session: SessionSlot,
     /// Notified by the Shutdown RPC.
     pub shutdown: Arc<Notify>,
+    /// The coordinator's grpc.health.v1 readiness: SERVING only while it serves verified weights.
+    pub health: orchestrator_worker::grpc::Health,
     stop: Arc<Notify>,
     task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
 }
 
 impl Endpoint {
-    /// Binds `listen` and serves the Coordinator service, requiring `token` on every call.
-    pub async fn start(listen: SocketAddr, token: Token, tls: Option<&TlsFiles>) -> anyhow::Result<Self> {
-        let registry = Arc::new(Registry::default());
+    /// Binds `listen` and serves the Coordinator service for a cluster of `world` ranks,
+    /// requiring `token` on every call.
+    pub async fn start(listen: SocketAddr, token: Token, tls: Option<&TlsFiles>, world: u32) -> anyhow::Result<Self> {
+        let registry = Arc::new(Registry::for_world(world));
         let session: SessionSlot = Default::default();
         let shutdown = Arc::new(Notify::new());
         let service = CoordinatorService { registry: registry.clone(), session: session.clone(), shutdown: shutdown.clone() };
         let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| anyhow::anyhow!("coordinator: binding {listen}: {e}"))?;
         let address = listener.local_addr()?;
-        let router = orchestrator_worker::grpc::standard_router::<CoordinatorServer<CoordinatorService>>(tls).await?;
+        let (router, health) = orchestrator_worker::grpc::standard_router::<CoordinatorServer<CoordinatorService>>(tls).await?;
         let stop = Arc::new(Notify::new());
         let task = {
             let stop = stop.clone();
@@ -55,7 +58,7 @@ impl Endpoint {
             )
         };
         let url = format!("{}://{address}", orchestrator_worker::tls::scheme(tls));
-        Ok(Self { address, url, tls: tls.cloned(), registry, session, shutdown, stop, task })
+        Ok(Self { address, url, tls: tls.cloned(), registry, session, shutdown, health, stop, task })
     }
 
     /// Serves `session` (with its health loop) until the Shutdown RPC, Ctrl-C or SIGTERM, then
@@ -68,13 +71,14 @@ impl Endpoint {
             auth.push_str(&format!(" --tls-dir {}", t.dir.display()));
         }
         eprintln!("serving: `orchestrator report {auth}` re-runs the checks; `orchestrator shutdown {auth}` stops");
-        let health = tokio::spawn(health_loop(session.clone()));
+        let health = tokio::spawn(health_loop(session.clone(), self.health.clone()));
         *self.session.write().unwrap_or_else(|p| p.into_inner()) = Some(session);
         tokio::select! {
             _ = self.shutdown.notified() => {}
             _ = signal => {}
         }
         health.abort();
+        self.health.set(false).await;
         let session = self.session.write().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(session) = session {
             session.cluster.shutdown().await;

@@ -2,7 +2,6 @@
 //! and `shutdown` operations of a `--serve` cluster.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use orchestrator_proto::limits;
 use orchestrator_proto::v1 as pb;
@@ -10,7 +9,7 @@ use orchestrator_proto::v1::coordinator_server::Coordinator;
 use tokio::sync::Notify;
 use tonic::{Request, Response, Status};
 
-use crate::cluster::{Registration, Registry};
+use crate::cluster::Registry;
 use crate::session::Session;
 
 /// Marks an update in flight until dropped (also when the update's future is cancelled).
@@ -53,28 +52,7 @@ impl CoordinatorService {
 #[tonic::async_trait]
 impl Coordinator for CoordinatorService {
     async fn register(&self, request: Request<pb::RegisterRequest>) -> Result<Response<pb::RegisterResponse>, Status> {
-        let r = request.into_inner();
-        if r.address.is_empty() || r.address.len() > limits::MAX_PATH_BYTES || r.host.len() > limits::MAX_PATH_BYTES {
-            return Err(Status::invalid_argument("register: address is empty, or address or host is longer than 4096 bytes"));
-        }
-        if r.protocol_version != orchestrator_proto::PROTOCOL_VERSION {
-            return Err(Status::failed_precondition(format!(
-                "worker {} speaks protocol version {}, this coordinator {}: rebuild the workspace so both binaries match",
-                r.worker_id,
-                r.protocol_version,
-                orchestrator_proto::PROTOCOL_VERSION
-            )));
-        }
-        let process = orchestrator_worker::process::ProcessIdentity {
-            pid: r.pid,
-            start_ticks: r.start_ticks,
-            boot_id: r.boot_id,
-            executable: r.executable.into(),
-        };
-        self.registry.register(
-            r.worker_id,
-            Registration { address: r.address, host: r.host, device: r.device, process, last_heartbeat: Instant::now() },
-        );
+        self.registry.admit(request.into_inner())?;
         Ok(Response::new(pb::RegisterResponse {}))
     }
 

@@ -126,6 +126,7 @@ impl Session {
         }
         timings.insert("report".into(), t.elapsed().as_secs_f64());
         self.state().timings = timings.clone();
+        self.cluster.annotate(&mut rows);
         let mut report = evaluate(
             self.cluster.tp,
             self.cluster.dp,
@@ -140,14 +141,52 @@ impl Session {
     }
 }
 
+/// How often readiness is told to every rank again even when nothing changed (a rank that
+/// dropped to NOT_SERVING by itself, mid-swap say, hears where it stands within this time).
+const READINESS_REFRESH: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// What each replica's ranks were last told about their readiness, and when.
+#[derive(Default)]
+struct Readiness {
+    told: std::collections::BTreeMap<u32, ((bool, String), std::time::Instant)>,
+}
+
+impl Readiness {
+    /// Makes every rank's grpc.health.v1 readiness follow the rotation (SERVING only while its
+    /// replica is in rotation on verified weights), and the coordinator's own: SERVING while any
+    /// replica serves.
+    async fn sync(&mut self, session: &Session, coordinator: &orchestrator_worker::grpc::Health) {
+        let states = session.rotation.states();
+        let due = states.iter().enumerate().filter_map(|(dp, st)| {
+            let (dp, want) = (dp as u32, (st.serving, st.version.clone()));
+            let fresh = self.told.get(&dp).is_some_and(|(told, at)| *told == want && at.elapsed() < READINESS_REFRESH);
+            // A dead replica's ranks cannot hear it (and are out for good).
+            (!fresh && !st.dead).then_some((dp, want))
+        });
+        let told = futures_util::future::join_all(due.map(|(dp, want)| async move {
+            let ok = session.cluster.set_serving(dp, want.0, &want.1).await;
+            (dp, want, ok)
+        }))
+        .await;
+        for (dp, want, ok) in told {
+            if ok {
+                self.told.insert(dp, (want, std::time::Instant::now()));
+            }
+        }
+        coordinator.set(states.iter().any(|s| s.serving)).await;
+    }
+}
+
 /// Keeps the rotation true until the session ends: a replica leaves it when a rank dies or stops
 /// heartbeating, and one that is out while every rank is up is brought back (its pending
 /// commit finished first, journaled) once a probe passes. Replicas an update owns are the
-/// update's.
-pub async fn health_loop(session: Arc<Session>) {
+/// update's. Every rank's readiness (and the coordinator's, `health`) follows the rotation.
+pub async fn health_loop(session: Arc<Session>, health: orchestrator_worker::grpc::Health) {
     let cluster = &session.cluster;
     let rotation = &session.rotation;
+    let mut readiness = Readiness::default();
     loop {
+        readiness.sync(&session, &health).await;
         tokio::time::sleep(limits::HEALTH_INTERVAL).await;
         for dp in 0..cluster.dp {
             let st = rotation.state(dp);

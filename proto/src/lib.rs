@@ -4,7 +4,7 @@
 #![allow(clippy::all, clippy::pedantic)]
 
 /// Bumped whenever the contract's meaning changes; workers and the coordinator must agree.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 pub mod limits;
 

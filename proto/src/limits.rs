@@ -27,3 +27,11 @@ pub const REINSTATE_BACKOFF: Duration = Duration::from_secs(1);
 pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
 /// The largest path a request may name (Linux's PATH_MAX).
 pub const MAX_PATH_BYTES: usize = 4096;
+/// How long a coordinator waits for every rank to register (`--join-timeout`), and how long a
+/// worker started by an engine keeps trying to reach a coordinator that is not up yet.
+pub const JOIN_TIMEOUT: Duration = Duration::from_secs(300);
+/// Pause between a worker's attempts to register with a coordinator it cannot reach yet.
+pub const REGISTER_RETRY: Duration = Duration::from_millis(500);
+/// A worker this coordinator did not start (another host's) that is silent this long is presumed
+/// dead: its replica is out for good, as for a local worker whose process exited.
+pub const REMOTE_PRESUMED_DEAD: Duration = Duration::from_secs(12);

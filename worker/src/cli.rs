@@ -8,15 +8,29 @@ use crate::source::LoadSource;
 /// `serve`: the Worker gRPC server of one rank.
 #[derive(Args, Clone, Debug)]
 pub struct ServeArgs {
-    /// Address to listen on (loopback by default; port 0 picks a free one).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub listen: std::net::SocketAddr,
-    /// Coordinator to register with (`http://host:port`).
+    /// Address to listen on (port 0 picks a free one). Default: the --advertise address when it
+    /// is an IP, every interface when it is a name, else loopback. The TP-ring listener binds
+    /// the same IP.
+    #[arg(long)]
+    pub listen: Option<std::net::SocketAddr>,
+    /// Coordinator to register with (`http://host:port`, or `https://` with --tls-dir).
     #[arg(long)]
     pub coordinator: Option<String>,
-    /// This worker's id, given by the launcher.
-    #[arg(long, default_value_t = 0)]
-    pub worker_id: u32,
+    /// This worker's rank (dp-major: dp x tp_size + tp), or `auto`: from the engine that started
+    /// it (Slurm, LeaderWorkerSet, StatefulSet, Indexed Job; see the placement module).
+    #[arg(long, value_name = "auto|N", conflicts_with = "worker_id")]
+    pub rank: Option<crate::placement::RankArg>,
+    /// The rank, given by `orchestrator launch`.
+    #[arg(long, hide = true)]
+    pub worker_id: Option<u32>,
+    /// The host (name or IP) peers and the coordinator reach this worker at: advertised for its
+    /// gRPC and TP-ring ports. Default: `POD_IP`, else the listen address.
+    #[arg(long, value_name = "HOST")]
+    pub advertise: Option<String>,
+    /// Seconds to keep trying to register while the coordinator is not reachable yet (engines
+    /// start workers and coordinator together); a refusal ends the worker at once.
+    #[arg(long, value_name = "SECS")]
+    pub join_timeout: Option<f64>,
     /// The cluster's shared token: every Worker RPC must carry it (without one, none is checked).
     #[arg(long, value_name = "FILE")]
     pub token_file: Option<std::path::PathBuf>,
@@ -39,17 +53,40 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// Serves until shut down.
     pub fn run(self) -> anyhow::Result<()> {
+        use crate::placement::{RankArg, resolve};
         let tls = self.tls_dir.as_deref().map(crate::tls::TlsFiles::load).transpose()?;
-        crate::tls::check_listen(self.listen, tls.as_ref(), self.insecure, "--listen").map_err(anyhow::Error::msg)?;
+        let env = |k: &str| std::env::var(k).ok();
+        let placement = match (self.worker_id, self.rank) {
+            (Some(id), _) => resolve(RankArg::Fixed(id), true, &env)?,
+            (None, Some(arg)) => resolve(arg, false, &env)?,
+            (None, None) => resolve(RankArg::Fixed(0), false, &env)?,
+        };
+        let advertise = self.advertise.clone().or_else(|| placement.advertise.clone());
+        let listen = match (self.listen, advertise.as_deref().map(str::parse::<std::net::IpAddr>)) {
+            (Some(l), _) => l,
+            (None, Some(Ok(ip))) => std::net::SocketAddr::new(ip, 0),
+            (None, Some(Err(_))) => std::net::SocketAddr::from(([0, 0, 0, 0], 0)),
+            (None, None) => std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        };
+        if listen.ip().is_unspecified() && advertise.is_none() {
+            anyhow::bail!("--listen {listen} binds every interface: say which address peers reach this worker at with --advertise HOST");
+        }
+        crate::tls::check_listen(listen, tls.as_ref(), self.insecure, "--listen").map_err(anyhow::Error::msg)?;
+        crate::device::narrow_to_local_gpu(placement.local_index);
+        let secs = |v: f64, flag: &str| std::time::Duration::try_from_secs_f64(v).map_err(|e| anyhow::anyhow!("{flag} {v}: {e}"));
         crate::server::run(crate::server::ServeConfig {
             tls,
-            listen: self.listen,
+            listen,
+            advertise,
             coordinator: self.coordinator,
-            worker_id: self.worker_id,
+            placement,
+            join_timeout: match self.join_timeout {
+                Some(v) => secs(v, "--join-timeout")?,
+                None => orchestrator_proto::limits::JOIN_TIMEOUT,
+            },
             token: self.token_file.as_deref().map(crate::auth::Token::read).transpose()?,
             roots: crate::auth::AllowedRoots::new(&self.allow_root)?,
-            coordinator_grace: std::time::Duration::try_from_secs_f64(self.coordinator_grace)
-                .map_err(|e| anyhow::anyhow!("--coordinator-grace {}: {e}", self.coordinator_grace))?,
+            coordinator_grace: secs(self.coordinator_grace, "--coordinator-grace")?,
         })
     }
 }

@@ -19,6 +19,26 @@ use crate::collective::CollectiveError;
 /// The environment variable that selects a served worker's device (`cpu` or `cuda`).
 pub const DEVICE_ENV: &str = "ORCHESTRATOR_DEVICE";
 
+/// A GPU worker started by an engine that runs one task per GPU on a node (Slurm without
+/// `--gpus-per-task`): keeps only the node's GPU number `local_index` visible (of the
+/// `CUDA_VISIBLE_DEVICES` list, or of every GPU), so the worker opens its own GPU as device 0.
+/// Does nothing on the CPU, without a local index, or when exactly one GPU is visible already.
+/// Call it before any thread starts (it sets an environment variable).
+pub fn narrow_to_local_gpu(local_index: Option<u32>) {
+    let (Some(i), Ok("cuda")) = (local_index, std::env::var(DEVICE_ENV).as_deref()) else { return };
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let chosen = match visible.as_deref().map(|v| v.split(',').map(str::trim).filter(|s| !s.is_empty()).collect::<Vec<_>>()) {
+        Some(list) if list.len() <= 1 => return,
+        Some(list) => match list.get(i as usize) {
+            Some(gpu) => gpu.to_string(),
+            None => return,
+        },
+        None => i.to_string(),
+    };
+    // SAFETY: called from `main`'s thread before the runtime or any other thread exists.
+    unsafe { std::env::set_var("CUDA_VISIBLE_DEVICES", chosen) };
+}
+
 /// The CPU backend or one GPU.
 pub enum AnyBackend {
     Cpu(CpuBackend),

@@ -1,5 +1,5 @@
-//! What every orchestrator gRPC server serves besides its own service: grpc.health.v1 (with
-//! the service marked serving) and server reflection, v1 and v1alpha (grpcurl speaks the
+//! What every orchestrator gRPC server serves besides its own service: grpc.health.v1 (ready
+//! only while it serves verified weights, see [`Health`]) and server reflection, v1 and v1alpha (grpcurl speaks the
 //! first, Python's grpcio-reflection the second), under a server-wide request timeout.
 
 use std::time::Duration;
@@ -43,11 +43,45 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
+/// The grpc.health.v1 service Kubernetes' liveness probe asks for (`grpc: {port, service:
+/// liveness}`): SERVING while the process runs. Readiness asks for `""`, which [`Health`] keeps
+/// NOT_SERVING until the server serves verified weights.
+pub const LIVENESS_SERVICE: &str = "liveness";
+
+/// A server's readiness as grpc.health.v1 reports it: `""` and the server's own service are
+/// NOT_SERVING until [`Health::set`] says the weights it serves are verified (and again while
+/// they are out of rotation or mid-swap); [`LIVENESS_SERVICE`] is always SERVING.
+#[derive(Clone)]
+pub struct Health {
+    reporter: tonic_health::server::HealthReporter,
+    service: &'static str,
+    serving: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Health {
+    /// Marks the server ready (`true`) or not; a no-op when nothing changes.
+    pub async fn set(&self, serving: bool) {
+        if self.serving.swap(serving, std::sync::atomic::Ordering::SeqCst) == serving {
+            return;
+        }
+        let status = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
+        self.reporter.set_service_status("", status).await;
+        self.reporter.set_service_status(self.service, status).await;
+    }
+
+    pub fn is_serving(&self) -> bool {
+        self.serving.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 /// A router with health checking and reflection, over TLS when `tls` is given; the caller adds
-/// its service `S`.
-pub async fn standard_router<S: NamedService>(tls: Option<&crate::tls::TlsFiles>) -> anyhow::Result<Router> {
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_service_status(S::NAME, ServingStatus::Serving).await;
+/// its service `S`. The health starts NOT_SERVING (see [`Health`]).
+pub async fn standard_router<S: NamedService>(tls: Option<&crate::tls::TlsFiles>) -> anyhow::Result<(Router, Health)> {
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    reporter.set_service_status("", ServingStatus::NotServing).await;
+    reporter.set_service_status(S::NAME, ServingStatus::NotServing).await;
+    reporter.set_service_status(LIVENESS_SERVICE, ServingStatus::Serving).await;
+    let health = Health { reporter, service: S::NAME, serving: Default::default() };
     let reflection = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(orchestrator_proto::v1::FILE_DESCRIPTOR_SET)
@@ -57,9 +91,10 @@ pub async fn standard_router<S: NamedService>(tls: Option<&crate::tls::TlsFiles>
     if let Some(t) = tls {
         builder = builder.tls_config(t.server_config()).map_err(|e| anyhow::anyhow!("TLS files in {}: {e}", t.dir.display()))?;
     }
-    Ok(builder
+    let router = builder
         .timeout(SERVER_REQUEST_TIMEOUT)
         .add_service(health_service)
         .add_service(reflection().build_v1()?)
-        .add_service(reflection().build_v1alpha()?))
+        .add_service(reflection().build_v1alpha()?);
+    Ok((router, health))
 }

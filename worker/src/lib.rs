@@ -15,6 +15,7 @@ pub mod loader;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod output;
+pub mod placement;
 pub mod probe;
 pub mod process;
 pub mod report;

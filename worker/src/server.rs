@@ -75,6 +75,12 @@ pub struct WorkerService {
     roots: Arc<AllowedRoots>,
     /// The device this worker loads and probes on (the CPU unless started on a GPU).
     backend: Arc<AnyBackend>,
+    /// The IP the TP-ring listener binds and the host it is advertised as.
+    ring_ip: std::net::IpAddr,
+    advertise: String,
+    /// grpc.health.v1 readiness: SERVING only while the coordinator says the replica is in
+    /// rotation on this rank's active version (none in in-process tests).
+    health: Option<crate::grpc::Health>,
 }
 
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
@@ -82,7 +88,7 @@ fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
 }
 
 fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "localhost".into())
+    crate::placement::host_name(&|k| std::env::var(k).ok())
 }
 
 /// Builds the load source a request names; a checkpoint directory, and every file it is read
@@ -125,6 +131,19 @@ fn versions_of(st: &State) -> (String, String) {
     (active, st.shadow.as_ref().map(|(_, s)| s.version()).unwrap_or_default())
 }
 
+/// A peer's advertised `host:port` (an IP, or a name such as a pod's DNS name).
+fn resolve_peer(address: &str) -> Result<SocketAddr, Status> {
+    if let Ok(a) = address.parse() {
+        return Ok(a);
+    }
+    use std::net::ToSocketAddrs;
+    address
+        .to_socket_addrs()
+        .map_err(|e| Status::invalid_argument(format!("peer address `{address}`: {e}")))?
+        .next()
+        .ok_or_else(|| Status::invalid_argument(format!("peer address `{address}` resolves to nothing")))
+}
+
 type ProgressStream = Pin<Box<dyn Stream<Item = Result<pb::LoadProgress, Status>> + Send>>;
 
 impl WorkerService {
@@ -140,6 +159,30 @@ impl WorkerService {
             host: host_name(),
             roots: Arc::new(roots),
             backend: Arc::new(backend),
+            ring_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+            advertise: "127.0.0.1".into(),
+            health: None,
+        }
+    }
+
+    /// Binds TP-ring listeners on `ip`, advertised as `host` (what peers on other machines reach).
+    pub fn with_ring_address(mut self, ip: std::net::IpAddr, host: String) -> Self {
+        self.ring_ip = ip;
+        self.advertise = host;
+        self
+    }
+
+    /// Reports readiness through `health`, under the host name `host`.
+    pub fn with_health(mut self, health: crate::grpc::Health, host: String) -> Self {
+        self.health = Some(health);
+        self.host = host;
+        self
+    }
+
+    /// Not ready: the active weights are changing or are not verified (yet, or any more).
+    async fn not_ready(&self) {
+        if let Some(h) = &self.health {
+            h.set(false).await;
         }
     }
 
@@ -298,9 +341,10 @@ impl Worker for WorkerService {
         let rule: ScaleRule = r.scale_rule.parse().map_err(Status::invalid_argument)?;
         let (tp, rank) = (r.tp_size as usize, r.tp_rank as usize);
         orchestrator_model::RankShard::new(&source.config().geometry, tp, rank).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let listener =
-            RingListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).map_err(|e| Status::internal(format!("collective listener: {e}")))?;
-        let address = listener.local_addr().to_string();
+        let listener = RingListener::bind(SocketAddr::new(self.ring_ip, 0))
+            .map_err(|e| Status::internal(format!("collective listener on {}: {e}", self.ring_ip)))?;
+        let address = crate::placement::join_host_port(&self.advertise, listener.local_addr().port());
+        self.not_ready().await;
         // A GPU group's rank 0 creates the NCCL unique id; the coordinator relays it to the group.
         let nccl_unique_id = if rank == 0 && self.backend.is_cuda() {
             self.backend.nccl_unique_id().map_err(|e| Status::internal(format!("NCCL unique id: {e}")))?
@@ -330,6 +374,7 @@ impl Worker for WorkerService {
     type LoadStream = ProgressStream;
 
     async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<Self::LoadStream>, Status> {
+        self.not_ready().await;
         self.load_stream_blocking(None, false).await.map(Response::new)
     }
 
@@ -363,6 +408,7 @@ impl Worker for WorkerService {
                 )
             }
         };
+        self.not_ready().await;
         self.load_stream_blocking(source, false).await.map(Response::new)
     }
 
@@ -382,6 +428,8 @@ impl Worker for WorkerService {
         if slow {
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
+        // Mid-swap, and the new version is verified in rotation only after the swap.
+        self.not_ready().await;
         self.with_state(move |st| {
             let (active, staged) = versions_of(st);
             // Idempotent: a commit whose answer was lost is asked again, and finds its version in place.
@@ -412,6 +460,9 @@ impl Worker for WorkerService {
 
     async fn abort(&self, request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
         let pb::AbortRequest { rollback, expected_version } = request.into_inner();
+        if rollback {
+            self.not_ready().await;
+        }
         self.with_state(move |st| {
             st.shadow = None;
             st.stage_epoch += 1;
@@ -554,11 +605,7 @@ impl Worker for WorkerService {
                 if st.ring.as_ref().is_none_or(|(g, e, _)| (*g, *e) != (r.group, r.ring_epoch)) {
                     // A new group or epoch (after a failure): drop the old ring, join the new one.
                     st.ring = None;
-                    let peers: Vec<SocketAddr> = r
-                        .peers
-                        .iter()
-                        .map(|a| a.parse().map_err(|e| Status::invalid_argument(format!("peer address `{a}`: {e}"))))
-                        .collect::<Result<_, _>>()?;
+                    let peers: Vec<SocketAddr> = r.peers.iter().map(|a| resolve_peer(a)).collect::<Result<_, _>>()?;
                     let listener =
                         st.listener.as_ref().ok_or_else(|| Status::failed_precondition("no collective listener (call Assign first)"))?;
                     let ring = listener
@@ -599,6 +646,23 @@ impl Worker for WorkerService {
         .map_err(|e| Status::internal(e.to_string()))?
     }
 
+    async fn set_serving(&self, request: Request<pb::SetServingRequest>) -> Result<Response<pb::SetServingResponse>, Status> {
+        let pb::SetServingRequest { serving, version } = request.into_inner();
+        if serving {
+            let (active, _) = self.with_state(|st| Ok(versions_of(st))).await?;
+            if active.is_empty() || active != version {
+                self.not_ready().await;
+                return Err(Status::failed_precondition(format!(
+                    "set serving: this rank holds version `{active}`, not the verified `{version}`"
+                )));
+            }
+        }
+        if let Some(h) = &self.health {
+            h.set(serving).await;
+        }
+        Ok(Response::new(pb::SetServingResponse {}))
+    }
+
     async fn shutdown(&self, _request: Request<pb::ShutdownRequest>) -> Result<Response<pb::ShutdownResponse>, Status> {
         self.shutdown.notify_one();
         Ok(Response::new(pb::ShutdownResponse {}))
@@ -607,11 +671,16 @@ impl Worker for WorkerService {
 
 /// How a worker serves.
 pub struct ServeConfig {
-    /// Address to listen on.
+    /// Address to listen on (the TP-ring listener binds the same IP).
     pub listen: SocketAddr,
+    /// The host peers and the coordinator reach this worker at (default: the listen address).
+    pub advertise: Option<String>,
     /// Coordinator to register with and heartbeat to.
     pub coordinator: Option<String>,
-    pub worker_id: u32,
+    /// Which rank this is, where that came from, and the host's name.
+    pub placement: crate::placement::Placement,
+    /// How long to keep trying to reach a coordinator that is not up yet.
+    pub join_timeout: Duration,
     /// With a token, every Worker RPC must carry it, and calls to the coordinator send it.
     pub token: Option<Token>,
     /// Only checkpoint directories under these are read.
@@ -623,30 +692,80 @@ pub struct ServeConfig {
     pub tls: Option<crate::tls::TlsFiles>,
 }
 
+/// Registers with the coordinator at `coord`, retrying while it cannot be reached (an engine
+/// starts the coordinator and the workers together) for up to `join_timeout`; a refusal (wrong
+/// rank, protocol, token) ends the attempt at once with the coordinator's reason.
+async fn register(
+    coord: &str,
+    tls: Option<&crate::tls::TlsFiles>,
+    token: Option<&Token>,
+    registration: &pb::RegisterRequest,
+    join_timeout: Duration,
+) -> anyhow::Result<CoordinatorClient<tonic::transport::Channel>> {
+    let started = Instant::now();
+    let mut said = false;
+    loop {
+        let last = match crate::tls::connect(coord, tls).await {
+            Ok(channel) => {
+                let mut client = CoordinatorClient::new(channel);
+                match client.register(crate::auth::request(registration.clone(), RPC_DEADLINE, token)).await {
+                    Ok(_) => return Ok(client),
+                    Err(s) if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded) => {
+                        crate::tls::describe_status(&s)
+                    }
+                    Err(s) => anyhow::bail!("registering rank {} with {coord}: refused: {}", registration.worker_id, s.message()),
+                }
+            }
+            Err(e) => e.to_string(),
+        };
+        if started.elapsed() >= join_timeout {
+            anyhow::bail!(
+                "registering rank {} with {coord}: not reachable for {:.0} s (--join-timeout): {last}",
+                registration.worker_id,
+                started.elapsed().as_secs_f64()
+            );
+        }
+        if !said {
+            tracing::info!(rank = registration.worker_id, "waiting for the coordinator at {coord}: {last}");
+            said = true;
+        }
+        tokio::time::sleep(orchestrator_proto::limits::REGISTER_RETRY).await;
+    }
+}
+
 /// Serves the worker until shut down (by RPC, by the coordinator going away, or by a signal).
 pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
-    let ServeConfig { listen, coordinator, worker_id, token, roots, coordinator_grace, tls } = config;
+    let ServeConfig { listen, advertise, coordinator, placement, join_timeout, token, roots, coordinator_grace, tls } = config;
     let shutdown = Arc::new(Notify::new());
     let signal = crate::grpc::shutdown_signal();
-    let service = WorkerService::with_backend(shutdown.clone(), roots, AnyBackend::from_env()?);
-    let device = service.backend.name();
-    let listener = tokio::net::TcpListener::bind(listen).await?;
+    let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| anyhow::anyhow!("binding {listen}: {e}"))?;
     let address = listener.local_addr()?;
-    let router = crate::grpc::standard_router::<WorkerServer<WorkerService>>(tls.as_ref()).await?;
-    tracing::info!(%address, worker_id, "worker serving");
+    let advertise = advertise.unwrap_or_else(|| address.ip().to_string());
+    let (router, health) = crate::grpc::standard_router::<WorkerServer<WorkerService>>(tls.as_ref()).await?;
+    let service = WorkerService::with_backend(shutdown.clone(), roots, AnyBackend::from_env()?)
+        .with_ring_address(address.ip(), advertise.clone())
+        .with_health(health, placement.host.clone());
+    let device = service.backend.name();
+    let worker_id = placement.rank;
+    let advertised = format!("{}://{}", crate::tls::scheme(tls.as_ref()), crate::placement::join_host_port(&advertise, address.port()));
+    tracing::info!(%address, %advertised, rank = worker_id, source = %placement.source, host = %placement.host, "worker serving");
 
+    let mut registered = None;
     if let Some(coord) = coordinator.clone() {
         let me = crate::process::ProcessIdentity::of_self();
         let registration = pb::RegisterRequest {
             worker_id,
-            address: format!("{}://{address}", crate::tls::scheme(tls.as_ref())),
-            host: host_name(),
+            address: advertised,
+            host: placement.host.clone(),
             device,
             pid: std::process::id(),
             protocol_version: orchestrator_proto::PROTOCOL_VERSION,
             start_ticks: me.start_ticks,
             boot_id: me.boot_id,
             executable: me.executable.display().to_string(),
+            world_size: placement.world_size.unwrap_or(0),
+            rank_source: placement.source.name().into(),
+            remote: placement.source != crate::placement::RankSource::Launch,
         };
         // Registration and heartbeats run on a runtime of their own, on their own thread: a
         // worker busy with loads and probes (whose state lock can be held for seconds) still
@@ -662,14 +781,7 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
                 }
             };
             runtime.block_on(async move {
-                let registered = async {
-                    let mut client = CoordinatorClient::new(crate::tls::connect(&coord, tls.as_ref()).await?);
-                    let req = crate::auth::request(registration.clone(), RPC_DEADLINE, token.as_ref());
-                    client.register(req).await.map_err(|s| anyhow::anyhow!("registering with {coord}: {}", s.message()))?;
-                    anyhow::Ok(client)
-                }
-                .await;
-                match registered {
+                match register(&coord, tls.as_ref(), token.as_ref(), &registration, join_timeout).await {
                     Ok(client) => {
                         let _ = registered_tx.send(Ok(()));
                         heartbeats(client, registration, token, coordinator_grace, stop).await;
@@ -680,22 +792,39 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
                 }
             });
         })?;
-        registered_rx.await.map_err(|_| anyhow::anyhow!("the heartbeat thread ended before registering"))??;
+        registered = Some(registered_rx);
     }
 
+    // The port answers from the start (health NOT_SERVING, liveness SERVING), also while the
+    // worker waits for its coordinator.
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    router
-        .add_service(tonic::service::interceptor::InterceptedService::new(
-            WorkerServer::new(service).max_decoding_message_size(orchestrator_proto::limits::MAX_MESSAGE_BYTES),
-            crate::auth::interceptor(token.clone()),
-        ))
-        .serve_with_incoming_shutdown(incoming, async move {
-            tokio::select! {
-                _ = shutdown.notified() => {}
-                _ = signal => {}
+    let server = tokio::spawn(
+        router
+            .add_service(tonic::service::interceptor::InterceptedService::new(
+                WorkerServer::new(service).max_decoding_message_size(orchestrator_proto::limits::MAX_MESSAGE_BYTES),
+                crate::auth::interceptor(token.clone()),
+            ))
+            .serve_with_incoming_shutdown(incoming, async move {
+                tokio::select! {
+                    _ = shutdown.notified() => {}
+                    _ = signal => {}
+                }
+            }),
+    );
+    let mut server = server;
+    if let Some(registered) = registered {
+        tokio::select! {
+            outcome = registered => {
+                if let Err(e) = outcome.unwrap_or_else(|_| Err(anyhow::anyhow!("the heartbeat thread ended before registering"))) {
+                    server.abort();
+                    return Err(e);
+                }
             }
-        })
-        .await?;
+            // Stopped (a signal) while still waiting for the coordinator.
+            ended = &mut server => return Ok(ended??),
+        }
+    }
+    server.await??;
     Ok(())
 }
 

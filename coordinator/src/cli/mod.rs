@@ -1,0 +1,4 @@
+//! The CLI's commands, one module per command family (moving here from `main.rs` as they are
+//! touched).
+
+pub mod launch;
