@@ -216,3 +216,182 @@ pub fn copy_checkpoint(src: &std::path::Path, dst: &std::path::Path, link: impl 
         }
     }
 }
+
+/// A command for binary `name`, run inside `prefix` (e.g. `ip netns exec NS`) when one is given.
+pub fn command_in(prefix: &[String], name: &str) -> Command {
+    match prefix.split_first() {
+        None => Command::new(bin(name)),
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(bin(name));
+            c
+        }
+    }
+}
+
+/// `orchestrator coordinator` on its own, with the workers the test starts itself (as Slurm or
+/// Kubernetes would), each killed if the test fails midway.
+pub struct Standalone {
+    pub child: Child,
+    /// `http://ADDR` or `https://ADDR`.
+    pub url: String,
+    pub token: PathBuf,
+    /// `--tls-dir DIR` when the cluster runs over TLS.
+    pub tls: Vec<String>,
+    /// The coordinator's stderr, line by line.
+    pub lines: std::sync::mpsc::Receiver<String>,
+    /// Everything read from `lines` so far.
+    pub seen: Vec<String>,
+    pub workers: Vec<Child>,
+    /// What coordinator commands run inside.
+    pub prefix: Vec<String>,
+}
+
+impl Drop for Standalone {
+    fn drop(&mut self) {
+        let _ = self.cmd("shutdown", &[]);
+        let start = std::time::Instant::now();
+        while matches!(self.child.try_wait(), Ok(None)) && start.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for w in &mut self.workers {
+            let _ = w.kill();
+            let _ = w.wait();
+        }
+    }
+}
+
+impl Standalone {
+    /// Starts `orchestrator coordinator --listen LISTEN --token-file TOKEN ARGS` (inside
+    /// `prefix`) and waits until it listens.
+    pub fn start(prefix: &[String], listen: &str, token: &std::path::Path, args: &[&str]) -> Self {
+        let mut child = command_in(prefix, "orchestrator")
+            .args(["coordinator", "--listen", listen, "--token-file", token.to_str().unwrap()])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let tls = match args.iter().position(|a| *a == "--tls-dir") {
+            Some(i) => vec!["--tls-dir".to_string(), args[i + 1].to_string()],
+            None => Vec::new(),
+        };
+        let mut s = Self {
+            child,
+            url: String::new(),
+            token: token.to_path_buf(),
+            tls,
+            lines,
+            seen: Vec::new(),
+            workers: Vec::new(),
+            prefix: prefix.to_vec(),
+        };
+        let line = s.wait_for("coordinator listening on ", std::time::Duration::from_secs(30));
+        s.url = line.split(" (").nth(1).and_then(|r| r.split(')').next()).unwrap().to_string();
+        s
+    }
+
+    /// Waits for a stderr line containing `needle` (panics with what it saw after `limit`).
+    pub fn wait_for(&mut self, needle: &str, limit: std::time::Duration) -> String {
+        let deadline = std::time::Instant::now() + limit;
+        if let Some(l) = self.seen.iter().find(|l| l.contains(needle)) {
+            return l.clone();
+        }
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if line.contains(needle) {
+                        return line;
+                    }
+                }
+                Err(_) => panic!("the coordinator never said `{needle}`:\n{}", self.seen.join("\n")),
+            }
+        }
+    }
+
+    /// `orchestrator-worker serve --coordinator URL --token-file TOKEN ARGS` with `env`, inside
+    /// `prefix`, its stderr into `log`.
+    pub fn worker_command(&self, prefix: &[String], env: &[(&str, &str)], args: &[&str], log: &std::path::Path) -> Command {
+        let mut c = command_in(prefix, "orchestrator-worker");
+        c.args(["serve", "--coordinator", &self.url, "--token-file", self.token.to_str().unwrap()])
+            .args(&self.tls)
+            .args(args)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap());
+        c
+    }
+
+    /// Starts a worker (see [`Standalone::worker_command`]) that the test keeps.
+    pub fn worker(&mut self, prefix: &[String], env: &[(&str, &str)], args: &[&str], log: &std::path::Path) {
+        let child = self.worker_command(prefix, env, args, log).spawn().unwrap();
+        self.workers.push(child);
+    }
+
+    /// `orchestrator COMMAND --coordinator URL --token-file TOKEN EXTRA` (inside the prefix).
+    pub fn cmd(&self, command: &str, extra: &[&str]) -> Output {
+        command_in(&self.prefix, "orchestrator")
+            .args([command, "--coordinator", &self.url, "--token-file", self.token.to_str().unwrap()])
+            .args(&self.tls)
+            .args(extra)
+            .output()
+            .unwrap()
+    }
+
+    pub fn report(&self) -> serde_json::Value {
+        let o = self.cmd("report", &["--json", "--no-probe"]);
+        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}{}", stdout(&o), stderr(&o)))
+    }
+
+    /// `orchestrator health --address ADDRESS [--service S] [--wait SECS]`: the answer's first word.
+    pub fn health(&self, address: &str, service: &str, wait: &str) -> String {
+        let o = command_in(&self.prefix, "orchestrator")
+            .args(["health", "--address", address, "--service", service, "--wait", wait])
+            .args(&self.tls)
+            .output()
+            .unwrap();
+        stdout(&o).split_whitespace().next().unwrap_or("").to_string()
+    }
+
+    /// Waits for the coordinator to exit; its status and stdout.
+    pub fn wait_exit(&mut self, limit: std::time::Duration) -> (std::process::ExitStatus, String) {
+        let start = std::time::Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                let mut out = String::new();
+                use std::io::Read;
+                self.child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+                while let Ok(l) = self.lines.recv_timeout(std::time::Duration::from_millis(200)) {
+                    self.seen.push(l);
+                }
+                return (status, out);
+            }
+            assert!(start.elapsed() < limit, "the coordinator did not exit:\n{}", self.seen.join("\n"));
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+}
+
+/// Polls `f` until it returns `Some` (panics with `what` after `limit`).
+pub fn eventually<T>(limit: std::time::Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
