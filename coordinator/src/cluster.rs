@@ -739,7 +739,8 @@ impl Cluster {
     }
 
     /// Fills in, from the registrations, where each row's rank runs: its host, device and pid
-    /// when the rank could not say (it failed), its address, and who started it.
+    /// when the rank could not say (it failed), its address, and who started it; a failed row's
+    /// text names the host too.
     pub fn annotate(&self, rows: &mut [crate::consistency::RankRow]) {
         for row in rows {
             let Some(reg) = self.registry.get(row.worker) else { continue };
@@ -751,6 +752,12 @@ impl Cluster {
             }
             if row.pid == 0 {
                 row.pid = reg.process.pid;
+            }
+            // A failure names where the rank runs, whatever failed (an RPC error says only what).
+            if let Some(f) = row.failure.as_mut()
+                && !f.contains(&format!("host {}", reg.host))
+            {
+                f.push_str(&format!(" [on host {}, pid {}, {}]", reg.host, reg.process.pid, reg.address));
             }
             row.address = reg.address;
             row.started_by = reg.rank_source;

@@ -61,6 +61,8 @@ pub struct LaunchPlan {
     pub journal: Option<Arc<Journal>>,
     /// Run the control plane over TLS with these files.
     pub tls: Option<orchestrator_worker::tls::TlsFiles>,
+    /// Also serve the health statuses in plaintext here (Kubernetes probes).
+    pub health_listen: Option<SocketAddr>,
 }
 
 /// Who starts a cluster's workers.
@@ -147,6 +149,10 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     let mut timings = BTreeMap::new();
     let endpoint = Endpoint::start(plan.listen, plan.token.clone(), plan.tls.as_ref(), plan.tp * plan.dp).await?;
     let address = endpoint.address;
+    if let Some(h) = plan.health_listen {
+        let at = endpoint.health.serve_plaintext(h).await?;
+        eprintln!("health (plaintext, grpc.health.v1 only) on {at}");
+    }
     let (mut cluster, join_deadline) = match plan.workers {
         Workers::Local { device, grace } => {
             eprintln!("coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);

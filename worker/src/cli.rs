@@ -48,6 +48,10 @@ pub struct ServeArgs {
     /// Allow a non-loopback --listen address without TLS.
     #[arg(long)]
     pub insecure: bool,
+    /// Also serve grpc.health.v1 (readiness and liveness only) in plaintext on ADDR, for
+    /// Kubernetes' native gRPC probes, which cannot speak TLS.
+    #[arg(long, value_name = "ADDR")]
+    pub health_listen: Option<std::net::SocketAddr>,
 }
 
 impl ServeArgs {
@@ -87,6 +91,7 @@ impl ServeArgs {
             token: self.token_file.as_deref().map(crate::auth::Token::read).transpose()?,
             roots: crate::auth::AllowedRoots::new(&self.allow_root)?,
             coordinator_grace: secs(self.coordinator_grace, "--coordinator-grace")?,
+            health_listen: self.health_listen,
         })
     }
 }

@@ -72,6 +72,29 @@ impl Health {
     pub fn is_serving(&self) -> bool {
         self.serving.load(std::sync::atomic::Ordering::SeqCst)
     }
+
+    /// Serves the same statuses, and nothing else, in plaintext on `listen` (`--health-listen`):
+    /// Kubernetes' native gRPC probes cannot speak TLS, and the main port speaks only TLS when
+    /// the cluster does. Health answers carry no secrets and need no token. Runs until the
+    /// process ends.
+    pub async fn serve_plaintext(&self, listen: std::net::SocketAddr) -> anyhow::Result<std::net::SocketAddr> {
+        let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| anyhow::anyhow!("--health-listen {listen}: {e}"))?;
+        let address = listener.local_addr()?;
+        let service = tonic_health::pb::health_server::HealthServer::new(tonic_health::server::HealthService::from_health_reporter(
+            self.reporter.clone(),
+        ));
+        tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .timeout(Duration::from_secs(10))
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .await;
+            if let Err(e) = served {
+                tracing::warn!("health listener on {address} ended: {e}");
+            }
+        });
+        Ok(address)
+    }
 }
 
 /// A router with health checking and reflection, over TLS when `tls` is given; the caller adds

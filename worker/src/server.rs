@@ -690,6 +690,8 @@ pub struct ServeConfig {
     pub coordinator_grace: Duration,
     /// Serve (and call the coordinator) over TLS with these files.
     pub tls: Option<crate::tls::TlsFiles>,
+    /// Also serve the health statuses in plaintext here (Kubernetes probes).
+    pub health_listen: Option<SocketAddr>,
 }
 
 /// Registers with the coordinator at `coord`, retrying while it cannot be reached (an engine
@@ -735,13 +737,18 @@ async fn register(
 
 /// Serves the worker until shut down (by RPC, by the coordinator going away, or by a signal).
 pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
-    let ServeConfig { listen, advertise, coordinator, placement, join_timeout, token, roots, coordinator_grace, tls } = config;
+    let ServeConfig { listen, advertise, coordinator, placement, join_timeout, token, roots, coordinator_grace, tls, health_listen } =
+        config;
     let shutdown = Arc::new(Notify::new());
     let signal = crate::grpc::shutdown_signal();
     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| anyhow::anyhow!("binding {listen}: {e}"))?;
     let address = listener.local_addr()?;
     let advertise = advertise.unwrap_or_else(|| address.ip().to_string());
     let (router, health) = crate::grpc::standard_router::<WorkerServer<WorkerService>>(tls.as_ref()).await?;
+    if let Some(h) = health_listen {
+        let at = health.serve_plaintext(h).await?;
+        tracing::info!(%at, "health (plaintext) listening");
+    }
     let service = WorkerService::with_backend(shutdown.clone(), roots, AnyBackend::from_env()?)
         .with_ring_address(address.ip(), advertise.clone())
         .with_health(health, placement.host.clone());

@@ -84,6 +84,10 @@ pub struct PlanArgs {
     /// Allow a non-loopback --listen without TLS.
     #[arg(long)]
     insecure: bool,
+    /// Also serve grpc.health.v1 (readiness and liveness only) in plaintext on ADDR, for
+    /// Kubernetes' native gRPC probes, which cannot speak TLS.
+    #[arg(long, value_name = "ADDR")]
+    health_listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Args)]
@@ -254,6 +258,7 @@ fn resolve(
         journal,
         tls,
         dump_dir,
+        health_listen: a.health_listen,
     })
 }
 
