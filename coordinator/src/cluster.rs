@@ -278,7 +278,7 @@ impl Cluster {
                 r.id,
                 Registration {
                     address: r.address.clone(),
-                    host: String::new(),
+                    host: r.host.clone(),
                     device: String::new(),
                     process: identity.clone(),
                     last_heartbeat: Instant::now(),

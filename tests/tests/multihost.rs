@@ -182,3 +182,35 @@ fn bad_registrations_are_refused_naming_rank_and_host() {
     assert!(status.success(), "{out}");
     assert!(out.contains("CONSISTENT") && out.contains("host node-a: 1 rank (dp0/tp0), 1 ok"), "{out}");
 }
+
+/// A standalone coordinator killed outright is recovered from its state directory: the workers
+/// an engine started (kept alive by their `--coordinator-grace`) are adopted as remote ranks,
+/// still named by host, and the cluster serves CONSISTENT again; shutdown then stops them.
+#[test]
+fn a_standalone_coordinator_is_recovered_and_adopts_the_remote_workers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let token = tmp.path().join("token");
+    let state = tmp.path().join("state");
+    let mut c = Standalone::start(
+        &[],
+        "127.0.0.1:0",
+        &token,
+        &["--tp", "2", "--dp", "1", "--dummy", "--preset", "tiny", "--layers", "1", "--serve", "--state-dir", state.to_str().unwrap()],
+    );
+    for r in 0..2u32 {
+        let env = slurm_env(r, 2, if r == 0 { "node-a" } else { "node-b" });
+        c.worker(&[], &env_refs(&env), &["--rank", "auto", "--coordinator-grace", "60"], &tmp.path().join(format!("w{r}.log")));
+    }
+    c.wait_for("serving: ", Duration::from_secs(60));
+    let _ = c.child.kill();
+    let _ = c.child.wait();
+    let recovered = orchestrator_e2e::Served::recover(&state, &[]);
+    let report = recovered.report();
+    assert_eq!(report["ok"], true, "{report:#}");
+    assert_eq!(rank(&report, 0, 1)["host"], "node-b", "{report:#}");
+    drop(recovered);
+    // The recovered coordinator's shutdown stopped the adopted workers (over gRPC).
+    for w in &mut c.workers {
+        eventually(Duration::from_secs(15), "an adopted worker to stop", || w.try_wait().unwrap());
+    }
+}
