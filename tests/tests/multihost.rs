@@ -21,7 +21,7 @@ fn env_refs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str
     env.iter().map(|(k, v)| (*k, v.as_str())).collect()
 }
 
-fn rank<'a>(report: &'a Value, dp: u64, tp: u64) -> &'a Value {
+fn rank(report: &Value, dp: u64, tp: u64) -> &Value {
     report["ranks"].as_array().unwrap().iter().find(|r| r["dp"] == dp && r["tp"] == tp).unwrap()
 }
 

@@ -59,7 +59,7 @@ impl Drop for Hosts {
     }
 }
 
-fn rank<'a>(report: &'a Value, dp: u64, tp: u64) -> &'a Value {
+fn rank(report: &Value, dp: u64, tp: u64) -> &Value {
     report["ranks"].as_array().unwrap().iter().find(|r| r["dp"] == dp && r["tp"] == tp).unwrap()
 }
 
