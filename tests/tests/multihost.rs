@@ -84,7 +84,7 @@ fn workers_started_apart_join_verify_and_follow_rotation() {
     let rank0 = rank(&report, 0, 0)["address"].as_str().unwrap().to_string();
 
     // A rolling update: rank 0 stages slowly, so its replica is out (not ready) meanwhile.
-    let mut update = std::process::Command::new(orchestrator_e2e::bin("orchestrator"))
+    let update = std::process::Command::new(orchestrator_e2e::bin("orchestrator"))
         .args(["update", "--coordinator", &c.url, "--token-file", token.to_str().unwrap(), "--checkpoint", b.to_str().unwrap()])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -133,8 +133,7 @@ fn a_join_timeout_names_the_missing_ranks_and_the_hosts_that_joined() {
     assert!(!status.success());
     assert!(out.contains("rank 1 (dp0/tp1) did not register within 3 s (joined: node-a: ranks [0])"), "{out}");
     // The worker that joined was asked to stop.
-    let w = c.workers.pop().unwrap();
-    let mut w = w;
+    let mut w = c.workers.pop().unwrap();
     eventually(Duration::from_secs(15), "the joined worker to stop", || w.try_wait().unwrap());
 }
 
