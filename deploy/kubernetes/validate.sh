@@ -75,6 +75,9 @@ self_test() {
     "base/coordinator.yaml|s/readOnlyRootFilesystem: true/readOnlyRootFilesystem: \"yes\"/|readOnlyRootFilesystem: 'yes' is not of type 'boolean'"
     "statefulset/workers-statefulset.yaml|s/podManagementPolicy: Parallel/podManagmentPolicy: Parallel/|Additional properties are not allowed ('podManagmentPolicy'"
     "values/kustomization.yaml|s/workers=8/workers=6/|data.workers: must be tp * dp"
+    "workers-lws.yaml|/--health-listen=/d|readinessProbe.grpc.port: the container runs with --tls-dir (TLS only) and no --health-listen"
+    "statefulset/workers-statefulset.yaml|/readinessProbe:/,/failureThreshold/s/port: 8081/port: 50051/|spec.template.spec.containers[0].readinessProbe.grpc.port: 50051 speaks TLS only"
+    "base/coordinator.yaml|s/service: liveness/service: livenes/|livenessProbe.grpc.service: must be 'liveness', is 'livenes'"
   )
   local c file expr want scratch out failed=0
   echo "== validate.sh on this directory"

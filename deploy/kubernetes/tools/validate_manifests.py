@@ -17,8 +17,9 @@ with `buildMetadata: [originAnnotations]` so that every object names its source 
 3. Cross-object checks: the values ConfigMap (tp, dp, workers = tp * dp, gpusPerWorker), the
    fields it is copied into, every Secret and ConfigMap a pod names exists with the keys it
    uses, no placeholder left in an image or a claim, probes and Service target ports name
-   ports the pods declare, and the workers' --coordinator address names the coordinator's
-   Service and port.
+   ports the pods declare, the probes ask the health services "" (readiness) and "liveness" on
+   the plaintext --health-listen port (every other port speaks TLS), and the workers'
+   --coordinator address names the coordinator's Service and port.
 
 Errors name the kustomization, the source file, the object and the field, and the exit status
 is 1 when any check fails.
@@ -343,6 +344,7 @@ def cross_checks(name, objs):
                     g = (c.get(probe) or {}).get("grpc")
                     if g and g.get("port") not in ports:
                         error(where, f"{cpre}.{probe}.grpc.port", f"{g.get('port')} is not a declared containerPort {sorted(ports)}")
+                health_checks(where, cpre, c)
                 for a in c.get("args") or []:
                     m = re.fullmatch(r"--coordinator=https?://([^:/]+):(\d+)", a)
                     if m:
@@ -380,6 +382,41 @@ def cross_checks(name, objs):
                     error(where, f"spec.ports[{pi}].targetPort", f"{tp_!r} is not a port of the selected pods {declared}")
         if s["metadata"]["name"] == "orchestrator-coordinator" and not s["spec"].get("publishNotReadyAddresses"):
             error(where, "spec.publishNotReadyAddresses", "must be true: workers register before the coordinator is Ready")
+
+
+# The orchestrator's grpc.health.v1 services: "" is readiness (SERVING only on verified
+# weights), "liveness" is SERVING while the process runs.
+PROBE_SERVICES = {"readinessProbe": "", "livenessProbe": "liveness"}
+
+
+def health_checks(where, cpre, c):
+    """With --tls-dir every orchestrator port speaks TLS only, and the kubelet's gRPC probe
+    (Kubernetes <= 1.36) connects in plaintext: the probes must use the --health-listen port."""
+    args = [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
+    if not any(a.endswith(("/orchestrator", "/orchestrator-worker")) or a in ("orchestrator", "orchestrator-worker") for a in args):
+        return
+    health_port = None
+    for a in args:
+        m = re.fullmatch(r"--health-listen=(?:\S*):(\d+)", a)
+        if m:
+            health_port = int(m.group(1))
+    tls = any(a.startswith("--tls-dir") for a in args)
+    for probe, service in PROBE_SERVICES.items():
+        p = c.get(probe)
+        if not p:
+            error(where, f"{cpre}.{probe}", "missing: the orchestrator's readiness and liveness are gRPC health services")
+            continue
+        g = p.get("grpc")
+        if not g:
+            error(where, f"{cpre}.{probe}", "must be a grpc probe (grpc.health.v1)")
+            continue
+        if g.get("service", "") != service:
+            error(where, f"{cpre}.{probe}.grpc.service", f"must be {service!r}, is {g.get('service', '')!r}")
+        if tls and g.get("mode") != "TLS":
+            if health_port is None:
+                error(where, f"{cpre}.{probe}.grpc.port", "the container runs with --tls-dir (TLS only) and no --health-listen: a plaintext gRPC probe cannot pass (add --health-listen=0.0.0.0:8081 and probe that port)")
+            elif g.get("port") != health_port:
+                error(where, f"{cpre}.{probe}.grpc.port", f"{g.get('port')} speaks TLS only (--tls-dir); a plaintext gRPC probe must use the --health-listen port {health_port}")
 
 
 def data_get(values, key):
