@@ -49,16 +49,21 @@ pub struct Served {
     pub tls: Vec<String>,
 }
 
+/// Gives a coordinator asked to shut down up to 10 s to stop its workers (adopted and remote
+/// ones are not its children), then kills it.
+fn stop_coordinator(child: &mut Child) {
+    let start = std::time::Instant::now();
+    while matches!(child.try_wait(), Ok(None)) && start.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 impl Drop for Served {
     fn drop(&mut self) {
         let _ = self.cmd("shutdown", &[]);
-        // Let it stop its workers (adopted ones are not its children) before killing it.
-        let start = std::time::Instant::now();
-        while matches!(self.child.try_wait(), Ok(None)) && start.elapsed() < std::time::Duration::from_secs(10) {
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop_coordinator(&mut self.child);
     }
 }
 
@@ -250,12 +255,7 @@ pub struct Standalone {
 impl Drop for Standalone {
     fn drop(&mut self) {
         let _ = self.cmd("shutdown", &[]);
-        let start = std::time::Instant::now();
-        while matches!(self.child.try_wait(), Ok(None)) && start.elapsed() < std::time::Duration::from_secs(10) {
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop_coordinator(&mut self.child);
         for w in &mut self.workers {
             let _ = w.kill();
             let _ = w.wait();

@@ -21,6 +21,12 @@ fn env_refs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str
     env.iter().map(|(k, v)| (*k, v.as_str())).collect()
 }
 
+/// A coordinator for a TP 2 dummy `tiny` cluster that waits `join_timeout` seconds for its ranks.
+fn tiny_pair(dir: &std::path::Path, join_timeout: &str) -> Standalone {
+    let args = ["--tp", "2", "--dp", "1", "--dummy", "--preset", "tiny", "--layers", "1", "--join-timeout", join_timeout];
+    Standalone::start(&[], "127.0.0.1:0", &dir.join("token"), &args)
+}
+
 fn rank(report: &Value, dp: u64, tp: u64) -> &Value {
     report["ranks"].as_array().unwrap().iter().find(|r| r["dp"] == dp && r["tp"] == tp).unwrap()
 }
@@ -120,13 +126,7 @@ fn workers_started_apart_join_verify_and_follow_rotation() {
 #[test]
 fn a_join_timeout_names_the_missing_ranks_and_the_hosts_that_joined() {
     let tmp = tempfile::tempdir().unwrap();
-    let token = tmp.path().join("token");
-    let mut c = Standalone::start(
-        &[],
-        "127.0.0.1:0",
-        &token,
-        &["--tp", "2", "--dp", "1", "--dummy", "--preset", "tiny", "--layers", "1", "--join-timeout", "3"],
-    );
+    let mut c = tiny_pair(tmp.path(), "3");
     let env = slurm_env(0, 2, "node-a");
     c.worker(&[], &env_refs(&env), &["--rank", "auto"], &tmp.path().join("w0.log"));
     let (status, out) = c.wait_exit(Duration::from_secs(30));
@@ -143,13 +143,7 @@ fn a_join_timeout_names_the_missing_ranks_and_the_hosts_that_joined() {
 #[test]
 fn bad_registrations_are_refused_naming_rank_and_host() {
     let tmp = tempfile::tempdir().unwrap();
-    let token = tmp.path().join("token");
-    let mut c = Standalone::start(
-        &[],
-        "127.0.0.1:0",
-        &token,
-        &["--tp", "2", "--dp", "1", "--dummy", "--preset", "tiny", "--layers", "1", "--join-timeout", "60"],
-    );
+    let mut c = tiny_pair(tmp.path(), "60");
     let mut first = slurm_env(0, 2, "node-a");
     first.push(("RUST_LOG", "info".into()));
     c.worker(&[], &env_refs(&first), &["--rank", "auto"], &tmp.path().join("w0.log"));
