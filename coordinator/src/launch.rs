@@ -173,7 +173,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         Workers::Join { timeout } => {
             eprintln!(
                 "coordinator listening on {address} ({}); waiting up to {} s for {} workers to register (TP {} x DP {})",
-                endpoint.url,
+                endpoint.public_url,
                 timeout.as_secs(),
                 plan.tp * plan.dp,
                 plan.tp,

@@ -33,8 +33,8 @@ pub enum RegisterError {
     BadRequest(String),
     #[error("rank {rank} on host {host} speaks protocol version {theirs}, this coordinator {ours}: run the same release of both binaries")]
     Protocol { rank: u32, host: String, theirs: u32, ours: u32 },
-    #[error("rank {rank} ({engine}) on host {host} is out of range: this cluster has {world} ranks (0..{world}, dp-major)")]
-    OutOfRange { rank: u32, host: String, engine: String, world: u32 },
+    #[error("rank {rank} ({engine}) on host {host} is out of range: this cluster has {world} ranks, 0 to {last} (dp-major)")]
+    OutOfRange { rank: u32, host: String, engine: String, world: u32, last: u32 },
     #[error(
         "rank {rank} on host {host} was started in a world of {declared} tasks ({engine}), but this cluster is {world} ranks: \
          start as many workers as --tp x --dp"
@@ -107,7 +107,7 @@ impl Registry {
         let source = if r.rank_source.is_empty() { "launch".to_string() } else { r.rank_source.clone() };
         let world = self.world();
         if world > 0 && rank >= world {
-            return Err(RegisterError::OutOfRange { rank, host, engine: source, world });
+            return Err(RegisterError::OutOfRange { rank, host, engine: source, world, last: world - 1 });
         }
         if world > 0 && r.world_size != 0 && r.world_size != world {
             return Err(RegisterError::WorldMismatch { rank, host, engine: source, declared: r.world_size, world });

@@ -18,8 +18,11 @@ use crate::session::{Session, health_loop};
 /// A running Coordinator service.
 pub struct Endpoint {
     pub address: SocketAddr,
-    /// `http://ADDR`, or `https://ADDR` with TLS.
+    /// `http://ADDR`, or `https://ADDR` with TLS (what this host's own workers dial).
     pub url: String,
+    /// The same with this host's name for an address bound to every interface (what the
+    /// printed hints name).
+    pub public_url: String,
     pub tls: Option<TlsFiles>,
     pub registry: Arc<Registry>,
     /// The session `report`, `update` and probes act on, once the cluster is up.
@@ -58,7 +61,14 @@ impl Endpoint {
             )
         };
         let url = format!("{}://{address}", orchestrator_worker::tls::scheme(tls));
-        Ok(Self { address, url, tls: tls.cloned(), registry, session, shutdown, health, stop, task })
+        // What others dial: a coordinator bound to every interface is reached by its host's name.
+        let public_url = if address.ip().is_unspecified() {
+            let host = orchestrator_worker::placement::host_name(&|k| std::env::var(k).ok());
+            format!("{}://{}", orchestrator_worker::tls::scheme(tls), orchestrator_worker::placement::join_host_port(&host, address.port()))
+        } else {
+            url.clone()
+        };
+        Ok(Self { address, url, public_url, tls: tls.cloned(), registry, session, shutdown, health, stop, task })
     }
 
     /// Serves `session` (with its health loop) until the Shutdown RPC, Ctrl-C or SIGTERM, then
@@ -66,7 +76,7 @@ impl Endpoint {
     /// running report, update or probe holds.
     pub async fn serve(&self, session: Arc<Session>, token_file: &Path) {
         let signal = orchestrator_worker::grpc::shutdown_signal();
-        let mut auth = format!("--coordinator {} --token-file {}", self.url, token_file.display());
+        let mut auth = format!("--coordinator {} --token-file {}", self.public_url, token_file.display());
         if let Some(t) = &self.tls {
             auth.push_str(&format!(" --tls-dir {}", t.dir.display()));
         }

@@ -164,7 +164,7 @@ fn bad_registrations_are_refused_naming_rank_and_host() {
         "{twin}"
     );
     let far = refused(vec![("ORCHESTRATOR_NODE_NAME", "node-c".into())], &["--rank", "7"], "far");
-    assert!(far.contains("rank 7 (flag) on host node-c is out of range"), "{far}");
+    assert!(far.contains("rank 7 (flag) on host node-c is out of range: this cluster has 2 ranks, 0 to 1"), "{far}");
     let other_world = refused(slurm_env(1, 8, "node-b"), &["--rank", "auto"], "world");
     assert!(other_world.contains("rank 1 on host node-b was started in a world of 8 tasks"), "{other_world}");
     let lost = refused(vec![], &["--rank", "auto"], "lost");

@@ -790,6 +790,13 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             runtime.block_on(async move {
                 match register(&coord, tls.as_ref(), token.as_ref(), &registration, join_timeout).await {
                     Ok(client) => {
+                        if registration.remote {
+                            // One line for `kubectl logs` and Slurm's output (launched workers stay quiet).
+                            eprintln!(
+                                "orchestrator-worker: rank {} ({}) on host {} registered with {coord}; serving on {}",
+                                registration.worker_id, registration.rank_source, registration.host, registration.address
+                            );
+                        }
                         let _ = registered_tx.send(Ok(()));
                         heartbeats(client, registration, token, coordinator_grace, stop).await;
                     }

@@ -165,8 +165,16 @@ fn write_file(path: PathBuf, text: &str, private: bool) -> Result<(), TlsError> 
         use std::os::unix::fs::OpenOptionsExt;
         opts.mode(0o600);
     }
+    let mut file = opts.open(&path).map_err(err)?;
+    // `mode` applies only to a file this call creates: one written over keeps its mode, so a
+    // private key is narrowed to 0600 explicitly before any byte of it is written.
+    #[cfg(unix)]
+    if private {
+        use std::os::unix::fs::PermissionsExt;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    }
     let _ = private;
-    std::io::Write::write_all(&mut opts.open(&path).map_err(err)?, text.as_bytes()).map_err(err)
+    std::io::Write::write_all(&mut file, text.as_bytes()).map_err(err)
 }
 
 /// Writes a new cluster CA and a node certificate for [`SERVER_NAME`], `localhost`, loopback
@@ -216,6 +224,13 @@ mod tests {
     #[test]
     fn generated_files_load_and_name_what_is_wrong() {
         let tmp = tempfile::tempdir().unwrap();
+        // A world-readable file in the way of a private key is narrowed, not kept as it was.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::write(tmp.path().join(KEY_FILE), "placeholder").unwrap();
+            std::fs::set_permissions(tmp.path().join(KEY_FILE), std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
         generate(tmp.path(), &["node-7.example".into(), "10.0.0.7".into()]).unwrap();
         let t = TlsFiles::load(tmp.path()).unwrap();
         assert!(t.ca.starts_with("-----BEGIN CERTIFICATE-----"));

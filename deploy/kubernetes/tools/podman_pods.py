@@ -3,30 +3,29 @@
 ../podman-play.sh): the pods the controllers would create, with what they would inject set
 explicitly.
 
-    podman_pods.py --rendered R.yaml --out DIR --mode cluster|smoke --tp T --dp D --image IMG
-                   --ip-prefix 198.18.77 --secret orchestrator-token=DIR --secret orchestrator-tls=DIR
-                   --models DIR [--gpu]
+    podman_pods.py --rendered R.yaml --out DIR --tp T --dp D --image IMG --ip-prefix 198.18.77
+                   --secret orchestrator-token=DIR --secret orchestrator-tls=DIR --models DIR [--gpu]
 
 - coordinator: the Deployment's pod template, named after the Service (orchestrator-coordinator)
   so the workers' https://orchestrator-coordinator:50050 resolves on the podman network;
-- workers (cluster mode): T*D pods from the LeaderWorkerSet's worker template (pods
-  NAME-G and NAME-G-W with LWS_WORKER_INDEX, LWS_GROUP_SIZE, LWS_LEADER_ADDRESS and the
-  group-index label) or from the StatefulSet's template (pods NAME-N);
-- smoke mode (what today's binaries can run): the coordinator pod runs `orchestrator launch
-  --tp 1 --dummy ... --serve` on the manifests' listen address, TLS and token files, one pod
-  from the worker template runs `orchestrator-worker --help`, and one runs `orchestrator
-  report` against the coordinator by name.
+- workers: T*D pods from the LeaderWorkerSet's worker template (pods NAME-G and NAME-G-W with
+  LWS_WORKER_INDEX, LWS_GROUP_SIZE, LWS_LEADER_ADDRESS and the group-index label) or from the
+  StatefulSet's template (pods NAME-N).
 
 Env from the downward API (metadata.name, metadata.labels[...], spec.nodeName, status.podIP)
 and from the values ConfigMap is resolved to literal values (kube play supports neither), and
-$(VAR) in command/args is expanded as the kubelet does. Each pod gets a static IP (POD_IP).
-A CPU run (no --gpu) drops the GPU request, ORCHESTRATOR_DEVICE and the other resources, and
-uses the dummy geometry (--dummy --preset tiny --layers 1) instead of --checkpoint. Probes are
-dropped: podman 4.3 cannot run gRPC probes; podman-play.sh polls grpc.health.v1 itself.
-Secrets become read-only host directories, the model PVC a host directory, each emptyDir a
-directory per pod (podman would share a named volume between pods).
+$(VAR) in command/args is expanded as the kubelet does. Each pod gets a static IP (POD_IP) and
+a node name of its own (spec.nodeName: play-node-N, never the pod's host name), so the report
+shows whether the hosts come from NODE_NAME. A CPU run (no --gpu) drops the GPU request,
+ORCHESTRATOR_DEVICE and the other resources, and uses the dummy geometry (--dummy --preset
+tiny --layers 1) instead of --checkpoint. Probes are dropped (podman 4.3 cannot run gRPC
+probes; wait_ready.py asks the same health services), and so are containerPorts (kube play 4.3
+would publish each on the host, where the pods' equal ports collide; the host reaches the pod
+IPs directly). Secrets become read-only host directories, the model PVC a host directory, each
+emptyDir a directory per pod (podman would share a named volume between pods).
 
-Writes DIR/NN-NAME.yaml per pod and DIR/plan.json (name, file, ip, role, health port).
+Writes DIR/NN-NAME.yaml per pod and DIR/plan.json (per pod: name, file, ip, role, rank, node,
+containers, the gRPC port and the plaintext --health-listen port, and the probes' services).
 """
 
 import argparse
@@ -34,7 +33,6 @@ import copy
 import json
 import os
 import re
-import socket
 import sys
 
 import yaml
@@ -118,6 +116,7 @@ def pod_from_template(template, name, labels, args_fn, env_extra, ip, node_name,
         c["args"] = [expand(a, values) for a in args_fn(c.get("args") or [], values)]
         for p in ("readinessProbe", "livenessProbe", "startupProbe"):
             c.pop(p, None)
+        c.pop("ports", None)
         if gpu:
             lim = (c.get("resources") or {}).get("limits") or {}
             c["resources"] = {"limits": {k: v for k, v in lim.items() if k == "nvidia.com/gpu"}}
@@ -146,11 +145,26 @@ def pod_from_template(template, name, labels, args_fn, env_extra, ip, node_name,
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
+def probe_info(container):
+    """The gRPC port, the --health-listen port and the probes' (port, service), as declared."""
+    grpc_port = next((p["containerPort"] for p in container.get("ports") or [] if p.get("name") == "grpc"), None)
+    health_port = None
+    for x in container.get("args") or []:
+        m = re.fullmatch(r"--health-listen=\S*:(\d+)", str(x))
+        if m:
+            health_port = int(m.group(1))
+    probes = {}
+    for p in ("readinessProbe", "livenessProbe"):
+        g = (container.get(p) or {}).get("grpc")
+        if g:
+            probes[p] = {"port": g.get("port"), "service": g.get("service", "")}
+    return grpc_port, health_port, probes
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rendered", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", choices=["cluster", "smoke"], default="cluster")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--image", required=True)
@@ -158,7 +172,6 @@ def main():
     ap.add_argument("--secret", action="append", default=[], help="NAME=DIR")
     ap.add_argument("--models", required=True)
     ap.add_argument("--gpu", action="store_true")
-    ap.add_argument("--node-name", default=socket.gethostname())
     a = ap.parse_args()
 
     objs = load(a.rendered)
@@ -174,7 +187,6 @@ def main():
     sts = find(objs, "StatefulSet", "orchestrator-worker")
     if len(deploy) != 1 or len(svc) != 1 or len(lws) + len(sts) != 1:
         raise SystemExit("expected the coordinator Deployment and Service and one worker LeaderWorkerSet or StatefulSet")
-    coord_port = svc[0]["spec"]["ports"][0]["port"]
 
     def image(pod):
         for c in pod["spec"]["containers"]:
@@ -182,7 +194,7 @@ def main():
             c["imagePullPolicy"] = "Never"
         return pod
 
-    pods = []  # (pod, role, health port)
+    pods = []  # (pod, role, rank, node, template container)
     ip_n = [10]
 
     def next_ip():
@@ -193,9 +205,6 @@ def main():
     ctmpl = deploy[0]["spec"]["template"]
 
     def coord_args(args, values):
-        if a.mode == "smoke":
-            keep = [x for x in args if x.startswith(("--listen", "--token-file", "--tls-dir"))]
-            return ["launch", "--tp", "1", *DUMMY, "--serve", *keep]
         out = []
         for x in args:
             if x.startswith("--checkpoint"):
@@ -205,65 +214,47 @@ def main():
         return out
 
     cip = next_ip()
-    pods.append((image(pod_from_template(ctmpl, "orchestrator-coordinator", {}, coord_args, [], cip, a.node_name, configmaps, secret_dirs, a.models, a.gpu, "Never")), "coordinator", coord_port, cip))
+    node = "play-node-0"
+    pod = pod_from_template(ctmpl, "orchestrator-coordinator", {}, coord_args, [], cip, node, configmaps, secret_dirs, a.models, a.gpu, "Never")
+    pods.append((image(pod), "coordinator", None, node, cip, ctmpl["spec"]["containers"][0]))
 
-    if lws:
-        wtmpl = lws[0]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
-    else:
-        wtmpl = sts[0]["spec"]["template"]
-    wport = next((p["containerPort"] for c in wtmpl["spec"]["containers"] for p in c.get("ports") or [] if p.get("name") == "grpc"), 50051)
-
-    if a.mode == "cluster":
-        for rank in range(a.tp * a.dp):
-            g, w = divmod(rank, a.tp)
-            ip = next_ip()
-            if lws:
-                name = f"orchestrator-worker-{g}" + (f"-{w}" if w else "")
-                labels = {
-                    "leaderworkerset.sigs.k8s.io/name": "orchestrator-worker",
-                    "leaderworkerset.sigs.k8s.io/group-index": str(g),
-                    "leaderworkerset.sigs.k8s.io/worker-index": str(w),
-                }
-                extra = [("LWS_LEADER_ADDRESS", f"orchestrator-worker-{g}"), ("LWS_GROUP_SIZE", a.tp), ("LWS_WORKER_INDEX", w)]
-            else:
-                name = f"orchestrator-worker-{rank}"
-                labels = {"statefulset.kubernetes.io/pod-name": name, "apps.kubernetes.io/pod-index": str(rank)}
-                extra = []
-            pod = pod_from_template(wtmpl, name, labels, lambda args, values: args, extra, ip, a.node_name, configmaps, secret_dirs, a.models, a.gpu, "Never")
-            pods.append((image(pod), "worker", wport, ip))
-    else:
-        # Today's binaries: the worker template's container, running --help; then a report from
-        # a pod of the same template, reaching the coordinator by name.
+    wtmpl = lws[0]["spec"]["leaderWorkerTemplate"]["workerTemplate"] if lws else sts[0]["spec"]["template"]
+    for rank in range(a.tp * a.dp):
+        g, w = divmod(rank, a.tp)
         ip = next_ip()
-        name = "orchestrator-worker-0"
-        labels = {"leaderworkerset.sigs.k8s.io/group-index": "0"} if lws else {}
-        extra = [("LWS_LEADER_ADDRESS", "orchestrator-worker-0"), ("LWS_GROUP_SIZE", 1), ("LWS_WORKER_INDEX", 0)] if lws else []
-        pod = pod_from_template(wtmpl, name, labels, lambda args, values: ["--help"], extra, ip, a.node_name, configmaps, secret_dirs, a.models, a.gpu, "Never")
-        pods.append((image(pod), "oneshot", None, ip))
-        ip = next_ip()
-        name = "orchestrator-report"
-
-        def report_args(args, values):
-            keep = [x for x in args if x.startswith(("--token-file", "--tls-dir"))]
-            return ["report", f"--coordinator=https://orchestrator-coordinator:{coord_port}", *keep]
-
-        pod = pod_from_template(wtmpl, name, {}, report_args, extra, ip, a.node_name, configmaps, secret_dirs, a.models, a.gpu, "Never")
-        for c in pod["spec"]["containers"]:
-            c["command"] = ["/usr/local/bin/orchestrator"]
-        pods.append((image(pod), "oneshot-after-ready", None, ip))
+        node = f"play-node-{rank + 1}"
+        if lws:
+            name = f"orchestrator-worker-{g}" + (f"-{w}" if w else "")
+            labels = {
+                "leaderworkerset.sigs.k8s.io/name": "orchestrator-worker",
+                "leaderworkerset.sigs.k8s.io/group-index": str(g),
+                "leaderworkerset.sigs.k8s.io/worker-index": str(w),
+            }
+            extra = [("LWS_LEADER_ADDRESS", f"orchestrator-worker-{g}"), ("LWS_GROUP_SIZE", a.tp), ("LWS_WORKER_INDEX", w)]
+        else:
+            name = f"orchestrator-worker-{rank}"
+            labels = {"statefulset.kubernetes.io/pod-name": name, "apps.kubernetes.io/pod-index": str(rank)}
+            extra = []
+        pod = pod_from_template(wtmpl, name, labels, lambda args, values: args, extra, ip, node, configmaps, secret_dirs, a.models, a.gpu, "Never")
+        pods.append((image(pod), "worker", rank, node, ip, wtmpl["spec"]["containers"][0]))
 
     os.makedirs(a.out, exist_ok=True)
     plan = []
-    for i, (pod, role, port, ip) in enumerate(pods):
+    for i, (pod, role, rank, node, ip, tc) in enumerate(pods):
         f = os.path.join(a.out, f"{i:02d}-{pod['metadata']['name']}.yaml")
         with open(f, "w") as fh:
             yaml.safe_dump(pod, fh, sort_keys=False)
-        plan.append({"name": pod["metadata"]["name"], "file": f, "ip": ip, "role": role, "port": port,
+        grpc_port, health_port, probes = probe_info(tc)
+        if grpc_port is None or health_port is None or set(probes) != {"readinessProbe", "livenessProbe"}:
+            raise SystemExit(f"{pod['metadata']['name']}: the template needs a `grpc` port, --health-listen and gRPC readiness and liveness probes")
+        plan.append({"name": pod["metadata"]["name"], "file": f, "ip": ip, "role": role, "rank": rank, "node": node,
+                     "port": grpc_port, "health_port": health_port, "probes": probes,
                      "containers": [c["name"] for c in pod["spec"]["containers"]]})
     with open(os.path.join(a.out, "plan.json"), "w") as fh:
         json.dump(plan, fh, indent=1)
     for p in plan:
-        print(f"  {p['name']:28} {p['ip']:15} {p['role']}")
+        rank = "" if p["rank"] is None else f"rank {p['rank']}"
+        print(f"  {p['name']:26} {p['ip']:15} {p['node']:12} {p['role']:11} {rank}")
     return 0
 
 
