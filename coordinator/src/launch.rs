@@ -219,23 +219,15 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     let t = Instant::now();
     let loaded = cluster.load().await;
     timings.insert("load".into(), t.elapsed().as_secs_f64());
-    let failures = {
-        let failures: Failures = loaded.iter().filter_map(|(id, r)| r.as_ref().err().map(|e| (*id, e.clone()))).collect();
-        if !failures.is_empty() {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        failures.is_empty().then(|| loaded.into_iter().filter_map(|(id, r)| r.ok().map(|s| (id, s))).collect()).ok_or(failures)
-    };
-    let load_seconds = match failures {
-        Ok(seconds) => seconds,
-        Err(f) => {
-            let report = failure_report(&plan, &cluster, f, timings).await;
-            cluster.kill_all().await;
-            emit_report(&report);
-            endpoint.stop().await;
-            return Ok(false);
-        }
-    };
+    let failures: Failures = loaded.iter().filter_map(|(id, r)| r.as_ref().err().map(|e| (*id, e.clone()))).collect();
+    if !failures.is_empty() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let report = failure_report(&plan, &cluster, failures, timings).await;
+        cluster.kill_all().await;
+        emit_report(&report);
+        endpoint.stop().await;
+        return Ok(false);
+    }
     let golden = match golden {
         Some(task) => Some(task.await??),
         None => None,
@@ -267,7 +259,6 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         config: plan.local_source.config().clone(),
         probe: plan.probe,
         golden,
-        load_seconds,
         journal: plan.journal.clone(),
         roots: plan.roots.clone(),
         commit_timeout: plan.commit_timeout,

@@ -62,6 +62,9 @@ enum Command {
     /// A server's grpc.health.v1 status (coordinator or worker; no token needed): exit code 0
     /// only when SERVING, i.e. ready on verified weights (a container healthcheck, a script).
     Health(HealthArgs),
+    /// Benchmarks that run a served cluster as a user would.
+    #[command(subcommand)]
+    Bench(BenchCommand),
     /// Checkpoint tools.
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
@@ -190,6 +193,13 @@ fn health_cmd(a: HealthArgs) -> anyhow::Result<bool> {
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;
         }
     })
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// A rolling update of a served TP x DP cluster under a probe load at half its capacity:
+    /// update / load, probe latency before and during, failed probes.
+    Update(cli::bench::BenchUpdateArgs),
 }
 
 #[derive(Subcommand)]
@@ -414,60 +424,26 @@ fn update_cmd(a: UpdateArgs) -> anyhow::Result<bool> {
 }
 
 fn probe_cmd(a: ProbeLoadArgs) -> anyhow::Result<bool> {
-    use orchestrator_proto::v1 as pb;
-    use std::collections::BTreeMap;
+    use cli::load::{at_rate, counts, percentile};
     anyhow::ensure!(a.rate > 0.0 && a.rate <= 1000.0, "--rate must be in (0, 1000]");
     anyhow::ensure!(a.duration > 0.0 && a.duration <= 86_400.0, "--duration must be in (0, 86400] seconds");
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     runtime.block_on(async {
         let (client, token) = coordinator_client(&a.remote).await?;
-        let count = (a.rate * a.duration).ceil() as usize;
-        let interval = std::time::Duration::from_secs_f64(1.0 / a.rate);
-        let start = tokio::time::Instant::now();
-        let mut tasks = tokio::task::JoinSet::new();
-        for i in 0..count {
-            tokio::time::sleep_until(start + interval * i as u32).await;
-            let mut client = client.clone();
-            let req = orchestrator_worker::auth::request(
-                pb::RoutedProbeRequest { tokens: a.size.tokens as u32, latents: a.size.latents as u32, seed: a.size.seed },
-                std::time::Duration::from_secs(60),
-                token.as_ref(),
-            );
-            tasks.spawn(async move {
-                let t = std::time::Instant::now();
-                let r = client.routed_probe(req).await;
-                (t.elapsed().as_secs_f64() * 1e3, r.map(|r| r.into_inner()).map_err(|s| s.message().to_string()))
-            });
-        }
-        let mut latencies = Vec::new();
-        let mut by_replica: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-        let mut by_version: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-        let mut errors = Vec::new();
-        while let Some(joined) = tasks.join_next().await {
-            let (ms, r) = joined?;
-            latencies.push(ms);
-            let (replica, version, ok, err) = match r {
-                Ok(p) => (format!("dp{}", p.replica), p.checkpoint_version, p.ok, p.error),
-                Err(e) => ("-".into(), "-".into(), false, e),
-            };
-            let slot = |m: &mut BTreeMap<String, (u64, u64)>, k: String| {
-                let e = m.entry(k).or_default();
-                if ok { e.0 += 1 } else { e.1 += 1 }
-            };
-            slot(&mut by_replica, replica);
-            slot(&mut by_version, version);
-            if !ok && errors.len() < 10 {
-                errors.push(err);
-            }
-        }
-        latencies.sort_by(f64::total_cmp);
-        let pct = |q: f64| latencies.get(((latencies.len() as f64 * q).ceil() as usize).saturating_sub(1).min(latencies.len().saturating_sub(1))).copied().unwrap_or(0.0);
+        let start = std::time::Instant::now();
+        let samples = at_rate(&client, token.as_ref(), a.size, a.rate, std::time::Duration::from_secs_f64(a.duration)).await;
+        let seconds = start.elapsed().as_secs_f64();
+        let latencies: Vec<f64> = samples.iter().map(|s| s.ms).collect();
+        let by_replica = counts(&samples, |s| s.replica.clone());
+        let by_version = counts(&samples, |s| s.version.clone());
+        let errors: Vec<String> = samples.iter().filter(|s| !s.ok).take(10).map(|s| s.error.clone()).collect();
         let failed: u64 = by_replica.values().map(|v| v.1).sum();
         let served: u64 = by_replica.values().map(|v| v.0).sum();
+        let pct = |q| percentile(&latencies, q);
         let doc = serde_json::json!({
             "ok": failed == 0, "served": served, "failed": failed,
-            "seconds": start.elapsed().as_secs_f64(),
-            "latency_ms": { "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": latencies.last().copied().unwrap_or(0.0) },
+            "seconds": seconds,
+            "latency_ms": { "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": pct(1.0) },
             "by_replica": by_replica.iter().map(|(k, v)| (k.clone(), serde_json::json!({"served": v.0, "failed": v.1}))).collect::<serde_json::Map<_, _>>(),
             "by_version": by_version.iter().map(|(k, v)| (k.clone(), serde_json::json!({"served": v.0, "failed": v.1}))).collect::<serde_json::Map<_, _>>(),
             "errors": errors,
@@ -475,7 +451,12 @@ fn probe_cmd(a: ProbeLoadArgs) -> anyhow::Result<bool> {
         if a.remote.json {
             emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
         } else {
-            let mut t = format!("probes: {served} served, {failed} failed in {:.1} s; latency p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms\n", start.elapsed().as_secs_f64(), pct(0.5), pct(0.9), pct(0.99));
+            let mut t = format!(
+                "probes: {served} served, {failed} failed in {seconds:.1} s; latency p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms\n",
+                pct(0.5),
+                pct(0.9),
+                pct(0.99)
+            );
             for (k, v) in &by_replica {
                 t.push_str(&format!("  replica {k}: {} served, {} failed\n", v.0, v.1));
             }
@@ -503,6 +484,7 @@ fn main() -> ExitCode {
         Command::Probe(a) => probe_cmd(a),
         Command::Recover(a) => recover_cmd(a),
         Command::Health(a) => health_cmd(a),
+        Command::Bench(BenchCommand::Update(a)) => cli::bench::bench_update(a),
         Command::Tls(TlsCommand::Generate { out, name }) => tls_generate(out, name),
         Command::WorkerServe(a) => a.run().map(|()| true),
         Command::Checkpoint(CheckpointCommand::Synth(a)) => synth(a),

@@ -329,7 +329,6 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
         config,
         probe,
         golden: None,
-        load_seconds: BTreeMap::new(),
         journal: Some(journal),
         roots,
         commit_timeout: commit_timeout(&plan),

@@ -42,7 +42,6 @@ pub struct Session {
     pub config: orchestrator_model::ModelConfig,
     pub probe: Option<ProbeSpec>,
     pub golden: Option<BTreeMap<u32, BTreeMap<String, String>>>,
-    pub load_seconds: BTreeMap<u32, f64>,
     /// Where updates are journaled (`--state-dir`).
     pub journal: Option<Arc<Journal>>,
     /// The directories the workers read checkpoints from (an update is checked against them
@@ -113,10 +112,9 @@ impl Session {
             match (reports.get(&w.id), dead) {
                 (_, Some(dead)) => rows.push(failed_row(w.id, w.dp, w.tp, dead)),
                 (Some(Ok(r)), None) => {
+                    // The rank's own load time: of the version it serves (after an update, its
+                    // staging), not the launch's.
                     let mut rr = row(w.id, r, probes.get(&w.id));
-                    if let Some(s) = self.load_seconds.get(&w.id) {
-                        rr.load_seconds = *s;
-                    }
                     rr.probe_error = probe_errors.get(&w.id).cloned();
                     rows.push(rr);
                 }

@@ -321,6 +321,8 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         })
         .collect();
     let mut reference_y: Option<String> = None;
+    // What the first verified replica proved; the later ones are checked against it.
+    let mut verified: Option<VerifiedVersion> = None;
     for group in rollout::batches(&replicas, max_unavailable, cluster.dp) {
         let mut failure: Option<(u32, String)> = None;
         for &dp in &group {
@@ -330,7 +332,8 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             rotation.take_for_update(dp, cluster.dp > 1);
         }
         let staged = if failure.is_none() {
-            futures_util::future::join_all(group.iter().map(|&dp| stage_and_verify(cluster, dp, &source, &new_version, probe))).await
+            let proof = verified.as_ref();
+            futures_util::future::join_all(group.iter().map(|&dp| stage_and_verify(cluster, dp, &source, &new_version, probe, proof))).await
         } else {
             Vec::new()
         };
@@ -339,10 +342,13 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         for (&dp, r) in group.iter().zip(&staged) {
             let verification = match r {
                 Err(e) => Err(e.clone()),
-                Ok((_, y)) => match &reference_y {
-                    Some(r) if r != y => Err(format!("staged y {y} differs from the already verified replicas' {r}")),
+                Ok(staged) => match &reference_y {
+                    Some(r) if *r != staged.y => Err(format!("staged y {} differs from the already verified replicas' {r}", staged.y)),
                     _ => {
-                        reference_y = Some(y.clone());
+                        reference_y = Some(staged.y.clone());
+                        if verified.is_none() {
+                            verified = Some(staged.proof.clone());
+                        }
                         Ok(())
                     }
                 },
@@ -384,12 +390,12 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         let mut stuck = Vec::new();
         for (&dp, status) in decided.iter().zip(statuses) {
             let r = &staged[group.iter().position(|g| *g == dp).unwrap_or(0)];
-            let detail = r.as_ref().map(|(d, _)| d.as_str()).unwrap_or_default();
+            let detail = r.as_ref().map(|s| s.detail.as_str()).unwrap_or_default();
             match status {
                 CommitStatus::Done => {
                     note(Event::UpdateStep { update, dp, step: Step::Committed });
                     rotation.observed_version(dp, &new_version);
-                    let y = r.as_ref().map(|(_, y)| y.as_str()).unwrap_or_default();
+                    let y = r.as_ref().map(|s| s.y.as_str()).unwrap_or_default();
                     let proof = Proof::SameAsStaged { version: &new_version, y };
                     let back = match try_reinstate(cluster, rotation, dp, probe, proof, true).await {
                         Ok(_) => String::new(),
@@ -494,13 +500,33 @@ async fn abort_batch(
 }
 
 /// Stages and verifies one replica: a description and the staged `y`.
+/// What the first replica to verify a version proved, per tp_rank: its kernel and source
+/// digests (its `y` is the update's `reference_y`). A later replica of the same version is verified against it:
+/// byte-identical digests on every rank (so its kernels read exactly the bytes that passed the
+/// reference) and the same `y` from a probe of its own, the same check without recomputing the
+/// reference.
+#[derive(Clone, Debug, Default)]
+pub struct VerifiedVersion {
+    pub dp: u32,
+    /// tp_rank -> (kernel rank digest, source rank digest).
+    pub digests: BTreeMap<u32, (String, String)>,
+}
+
+/// A staged replica that passed: what the update says about it, its `y`, and what it proved.
+struct Staged {
+    detail: String,
+    y: String,
+    proof: VerifiedVersion,
+}
+
 async fn stage_and_verify(
     cluster: &Cluster,
     dp: u32,
     source: &pb::LoadSource,
     new_version: &str,
     probe: ProbeSpec,
-) -> Result<(String, String), String> {
+    verified: Option<&VerifiedVersion>,
+) -> Result<Staged, String> {
     let t = Instant::now();
     let staged = cluster.stage(dp, source).await;
     for (id, r) in &staged {
@@ -512,16 +538,38 @@ async fn stage_and_verify(
     let stage_s = t.elapsed().as_secs_f64();
     // Verify the staged version: round trips and versions, then probes and agreement on y.
     let reports = cluster.reports_in(Some(dp), true).await;
+    let mut digests = BTreeMap::new();
     for r in reports.values() {
         let r = r.as_ref().map_err(Clone::clone)?;
-        if !r.round_trip_ok {
-            return Err(format!("rank dp{dp}/tp{}: staged round trip failed: {}", r.tp_rank, r.round_trip_failures.join("; ")));
-        }
         if r.staged_version != new_version {
             return Err(format!("rank dp{dp}/tp{} staged version {}, expected {new_version}", r.tp_rank, r.staged_version));
         }
+        let mine = (r.kernel_rank_digest.clone(), r.source_rank_digest.clone());
+        if let Some(v) = verified {
+            match v.digests.get(&r.tp_rank) {
+                Some(theirs) if *theirs == mine => {}
+                theirs => {
+                    return Err(format!(
+                        "rank dp{dp}/tp{}: staged kernel/source digests {}/{}, the verified replica dp{}'s tp{} holds {}",
+                        r.tp_rank,
+                        mine.0,
+                        mine.1,
+                        v.dp,
+                        r.tp_rank,
+                        theirs.map(|(k, s)| format!("{k}/{s}")).unwrap_or_else(|| "nothing".into())
+                    ));
+                }
+            }
+        }
+        if !r.round_trip_ok {
+            return Err(format!("rank dp{dp}/tp{}: staged round trip failed: {}", r.tp_rank, r.round_trip_failures.join("; ")));
+        }
+        digests.insert(r.tp_rank, mine);
     }
-    let probes = cluster.probe_in(Some(dp), (probe.tokens as u32, probe.latents as u32, probe.seed), true, false).await;
+    // The first replica of a version runs the reference; a later one, byte-identical to it,
+    // only its own kernel pass (its y must equal the verified y: checked by the caller).
+    let skip_reference = verified.is_some();
+    let probes = cluster.probe_in(Some(dp), (probe.tokens as u32, probe.latents as u32, probe.seed), true, skip_reference).await;
     let mut ys = Vec::new();
     for (id, p) in &probes {
         let p = p.as_ref().map_err(Clone::clone)?;
@@ -540,5 +588,9 @@ async fn stage_and_verify(
         return Err(format!("the ranks of dp{dp} disagree on the staged y: {ys:?}"));
     }
     let y = ys.first().cloned().unwrap_or_default();
-    Ok((format!("staged in {stage_s:.2} s, verified (round trips, probes, y {y})"), y))
+    let how = match verified {
+        None => format!("verified against the reference (round trips, probes, y {y})"),
+        Some(v) => format!("verified as byte-identical to dp{} (round trips, digests of every rank, y {y})", v.dp),
+    };
+    Ok(Staged { detail: format!("staged in {stage_s:.2} s, {how}"), y: y.clone(), proof: VerifiedVersion { dp, digests } })
 }

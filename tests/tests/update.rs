@@ -168,3 +168,51 @@ fn a_worker_killed_mid_stage_leaves_its_group_on_the_old_version() {
     assert_eq!(probes["by_replica"]["dp0"]["served"].as_u64().unwrap(), probes["served"].as_u64().unwrap(), "{probes}");
     assert!(probes["by_version"][version_b]["served"].as_u64().unwrap() > 0, "{probes}");
 }
+
+/// A version is verified against the reference once per tp_rank: the first replica runs it,
+/// the second is verified as byte-identical to the first (digests of every rank, the same y).
+/// That is the same check, not a weaker one: a second replica whose staged bytes differ (a
+/// rank that skipped the permutation while staging) is refused and keeps the old version.
+#[test]
+fn a_version_is_verified_against_the_reference_once_and_later_replicas_by_identity() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let (a, b, c) = (root.join("A"), root.join("B"), root.join("C"));
+    synth(&a, "1");
+    synth(&b, "2");
+    synth(&c, "3");
+    // Rank 2 (dp1/tp0) skips the permutation in whatever it stages.
+    let cluster = Served::on_checkpoint("2", "2", &a, &root, &["--inject-fault", "2:stage-skip-permute"]);
+    let o = cluster.cmd("update", &["--checkpoint", b.to_str().unwrap(), "--json"]);
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)));
+    assert_eq!(doc["ok"], false, "{doc:#}");
+    let steps: Vec<String> = doc["update"]["steps"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect();
+    let dp0 = steps.iter().find(|s| s.starts_with("replica dp0:")).unwrap();
+    assert!(dp0.contains("verified against the reference") && dp0.contains("swapped to"), "{steps:#?}");
+    let dp1 = steps.iter().find(|s| s.starts_with("replica dp1:")).unwrap();
+    assert!(
+        dp1.contains("rank dp1/tp0: staged kernel/source digests") && dp1.contains("the verified replica dp0's tp0 holds"),
+        "{steps:#?}"
+    );
+    let held = versions(&doc["report"]);
+    assert_ne!(held[0], held[2], "dp1 kept the old version: {held:?}");
+    assert_eq!(held[2], held[3], "dp1's ranks agree: {held:?}");
+    drop(cluster);
+
+    // Without the fault: dp1 is verified by identity to dp0, and both end on the new version.
+    let cluster = Served::on_checkpoint("2", "2", &a, &root, &[]);
+    let launched: Vec<f64> = cluster.report()["ranks"].as_array().unwrap().iter().map(|r| r["load_seconds"].as_f64().unwrap()).collect();
+    let o = cluster.cmd("update", &["--checkpoint", c.to_str().unwrap(), "--json"]);
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(doc["ok"], true, "{doc:#}");
+    let steps = doc["update"]["steps"].to_string();
+    assert!(steps.contains("replica dp0: staged in") && steps.contains("verified against the reference"), "{steps}");
+    assert!(steps.contains("verified as byte-identical to dp0"), "{steps}");
+    let v = versions(&doc["report"]);
+    assert!(v.iter().all(|x| *x == v[0]), "{v:?}");
+    // After the update each rank reports its staging time, not the launch's load.
+    let report = cluster.report();
+    let load: Vec<f64> = report["ranks"].as_array().unwrap().iter().map(|r| r["load_seconds"].as_f64().unwrap()).collect();
+    assert!(load.iter().all(|s| *s > 0.0), "{load:?}");
+    assert!(load.iter().zip(&launched).all(|(after, before)| after != before), "staging times {load:?}, launch {launched:?}");
+}

@@ -2,6 +2,7 @@
 //! the permuting pipeline, on a compute backend, and reports what its kernels will read.
 
 pub mod auth;
+pub mod background;
 pub mod bench;
 pub mod cli;
 pub mod collective;

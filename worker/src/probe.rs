@@ -19,7 +19,7 @@ use crate::source::LoadSource;
 pub const Z_TOLERANCE: f32 = 1e-3;
 
 /// `T,S[,SEED]`: tokens, latents, input seed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct ProbeSpec {
     pub tokens: usize,
     pub latents: usize,
@@ -60,6 +60,45 @@ impl ProbeSpec {
         let qr = MxMatrix::quantize(&qr, g.q_lora_rank, ScaleRule::Rceil)?;
         let kv = MxMatrix::quantize(&kv, g.head_dim, ScaleRule::Rceil)?.dequantize();
         Ok(ProbeInputs { qr, kv, latents: self.latents })
+    }
+}
+
+/// What the reference computed for a rank, kept so that the same question is not recomputed:
+/// each layer's plain-path output for one (content version, TP size and rank, scale rule,
+/// probe). The reference is a pure function of those, so a probe checked against a kept entry
+/// is checked against exactly what recomputing would give. Holds the last few entries.
+#[derive(Default)]
+pub struct ReferenceCache {
+    entries: std::collections::VecDeque<(ReferenceKey, std::sync::Arc<Vec<ProbeOutput>>)>,
+    /// Probes answered from the cache, and computed afresh (for reports and tests).
+    pub hits: u64,
+    pub misses: u64,
+}
+
+/// What a kept reference answers: the content version, the TP size and rank, the rule, the probe.
+type ReferenceKey = (String, usize, usize, ScaleRule, ProbeSpec);
+
+impl ReferenceCache {
+    /// How many (version, probe) entries are kept (a rank holds at most two versions; probes
+    /// of reports, updates and the health loop may differ).
+    pub const CAPACITY: usize = 4;
+
+    fn get(&mut self, key: &ReferenceKey) -> Option<std::sync::Arc<Vec<ProbeOutput>>> {
+        let found = self.entries.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone());
+        if found.is_some() {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+        }
+        found
+    }
+
+    fn put(&mut self, key: ReferenceKey, outputs: Vec<ProbeOutput>) {
+        self.entries.retain(|(k, _)| k != &key);
+        if self.entries.len() == Self::CAPACITY {
+            self.entries.pop_front();
+        }
+        self.entries.push_back((key, std::sync::Arc::new(outputs)));
     }
 }
 
@@ -127,11 +166,13 @@ pub fn probe_rank<B: Backend + Sync>(
     spec: ProbeSpec,
     rule: ScaleRule,
 ) -> Result<RankProbe, LoadError> {
-    probe_rank_with(loader, weights, source, spec, rule, true)
+    probe_rank_with(loader, weights, source, spec, rule, true, None)
 }
 
 /// [`probe_rank`]; without `check`, only the kernel pass runs (serving traffic: the output,
-/// not the yardstick), and every layer counts as unchecked-but-served.
+/// not the yardstick), and every layer counts as unchecked-but-served. With a `cache`, the
+/// reference outputs for this version and probe are taken from it when it has them, and kept
+/// in it when computed.
 pub fn probe_rank_with<B: Backend + Sync>(
     loader: &RankLoader<'_, B>,
     weights: &RankWeights<B>,
@@ -139,15 +180,22 @@ pub fn probe_rank_with<B: Backend + Sync>(
     spec: ProbeSpec,
     rule: ScaleRule,
     check: bool,
+    mut cache: Option<&mut ReferenceCache>,
 ) -> Result<RankProbe, LoadError> {
     let backend = loader.backend();
     let g = &weights.identity.geometry;
     let shape = shape_of(g, weights);
     let inputs = spec.inputs(g).map_err(|e| LoadError::Config(format!("probe inputs: {e}")))?;
+    let key: ReferenceKey = (source.version(), weights.identity.tp_size, weights.identity.rank, rule, spec);
+    let kept = match (check, cache.as_deref_mut()) {
+        (true, Some(c)) => c.get(&key),
+        _ => None,
+    };
+    let mut computed = Vec::new();
     let mut layers = Vec::new();
     let mut y_partial = Vec::new();
     let (mut kernel_s, mut reference_s) = (0.0, 0.0);
-    for layer in &weights.layers {
+    for (i, layer) in weights.layers.iter().enumerate() {
         let bad = |e: KernelError| LoadError::Config(format!("probe of layer {}: {e}", layer.layer));
         let t = Instant::now();
         let mut sink_bytes = Vec::new();
@@ -157,10 +205,16 @@ pub fn probe_rank_with<B: Backend + Sync>(
         kernel_s += t.elapsed().as_secs_f64();
         if check {
             let t = Instant::now();
-            let reference = loader.reference_layer(source, layer.layer)?;
-            let want = run_reference(&shape, &inputs, &reference, rule).map_err(bad)?;
+            match kept.as_ref().and_then(|k| k.get(i)) {
+                Some(want) => layers.push(check_layer(layer.layer, &shape, &kernel, want)),
+                None => {
+                    let reference = loader.reference_layer(source, layer.layer)?;
+                    let want = run_reference(&shape, &inputs, &reference, rule).map_err(bad)?;
+                    layers.push(check_layer(layer.layer, &shape, &kernel, &want));
+                    computed.push(want);
+                }
+            }
             reference_s += t.elapsed().as_secs_f64();
-            layers.push(check_layer(layer.layer, &shape, &kernel, &want));
         } else {
             layers.push(LayerProbe {
                 layer: layer.layer,
@@ -174,6 +228,11 @@ pub fn probe_rank_with<B: Backend + Sync>(
             });
         }
         y_partial.extend_from_slice(&kernel.y_partial);
+    }
+    if let (Some(c), true, None) = (cache, check, &kept)
+        && computed.len() == weights.layers.len()
+    {
+        c.put(key, computed);
     }
     let max = |f: fn(&LayerProbe) -> f32| layers.iter().map(f).fold(0f32, f32::max);
     Ok(RankProbe {

@@ -63,7 +63,13 @@ struct State {
     ring: Option<(u64, u32, TcpRing)>,
     /// The NCCL communicator of a GPU worker's TP group.
     device_collectives: DeviceCollectives,
+    /// What the reference computed for the versions and probes this rank was asked about.
+    reference_cache: crate::probe::ReferenceCache,
+    /// How long the active weights took to load (or, after a commit, to stage), and the same
+    /// for the staged and the kept versions.
     load_seconds: f64,
+    shadow_seconds: f64,
+    previous_seconds: f64,
 }
 
 /// The worker service.
@@ -267,7 +273,15 @@ impl WorkerService {
                 let loader =
                     RankLoader::new(backend, source.config(), tp, rank, rule).map_err(|e| Status::invalid_argument(e.to_string()))?;
                 if shadow {
-                    return loader.load_with_progress(&source, &progress).map_err(|e| Status::internal(format!("stage: {e:#}")));
+                    // Beside serving: on the background pool, below the probes' priority.
+                    let mut w = crate::background::run(|| loader.load_with_progress(&source, &progress))
+                        .map_err(|e| Status::internal(format!("stage: {e:#}")))?;
+                    if fault == pb::Fault::StageSkipPermute {
+                        inject_on(backend, &mut w, Fault::SkipQPermutation)
+                            .map_err(|e| Status::internal(format!("fault injection: {e}")))?;
+                        w.refresh_kernel_digests(backend).map_err(|e| Status::internal(e.to_string()))?;
+                    }
+                    return Ok(w);
                 }
                 let previous = lock(&state).weights.take();
                 let mut w = match previous {
@@ -302,6 +316,7 @@ impl WorkerService {
                             return;
                         }
                         st.shadow = Some((w, source));
+                        st.shadow_seconds = seconds;
                     } else {
                         st.weights = Some(w);
                         st.load_seconds = seconds;
@@ -448,6 +463,7 @@ impl Worker for WorkerService {
             let replaced = st.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
             st.previous = st.weights.take().zip(replaced);
             st.weights = Some(w);
+            st.previous_seconds = std::mem::replace(&mut st.load_seconds, st.shadow_seconds);
             Ok(pb::CommitResponse {
                 checkpoint_version: staged,
                 generation: st.weights.as_ref().map_or(0, |w| w.generation),
@@ -481,6 +497,7 @@ impl Worker for WorkerService {
                     p.source = source;
                 }
                 st.weights = Some(w);
+                st.load_seconds = st.previous_seconds;
             }
             Ok(pb::AbortResponse { checkpoint_version: versions_of(st).0 })
         })
@@ -503,72 +520,76 @@ impl Worker for WorkerService {
         let host = self.host.clone();
         let backend = self.backend.clone();
         tokio::task::spawn_blocking(move || {
-            let st = lock(&state);
-            let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
-            if brief {
-                let (checkpoint_version, staged_version) = versions_of(&st);
-                return Ok(Response::new(pb::RankReport {
+            let work = move || {
+                let st = lock(&state);
+                let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+                if brief {
+                    let (checkpoint_version, staged_version) = versions_of(&st);
+                    return Ok(Response::new(pb::RankReport {
+                        tp_size: plan.tp_size as u32,
+                        tp_rank: plan.tp_rank as u32,
+                        dp_size: plan.dp_size as u32,
+                        dp_rank: plan.dp_rank as u32,
+                        host: host.clone(),
+                        device: backend.name(),
+                        pid: std::process::id(),
+                        checkpoint_version,
+                        staged_version,
+                        previous_version: st.previous.as_ref().map(|(_, s)| s.version()).unwrap_or_default(),
+                        generation: st.weights.as_ref().map_or(0, |w| w.generation),
+                        round_trip_failures: vec!["not checked (brief report)".into()],
+                        ..Default::default()
+                    }));
+                }
+                let (w, source) = weights_of(&st, shadow)?;
+                let rt = check_rank(&*backend, w, source);
+                let id = &w.identity;
+                let canonical = id.canonical_text();
+                let geometry_text: String = canonical.lines().filter(|l| !l.starts_with("rank=")).map(|l| format!("{l}\n")).collect();
+                Ok(Response::new(pb::RankReport {
                     tp_size: plan.tp_size as u32,
                     tp_rank: plan.tp_rank as u32,
                     dp_size: plan.dp_size as u32,
                     dp_rank: plan.dp_rank as u32,
-                    host: host.clone(),
+                    host,
                     device: backend.name(),
                     pid: std::process::id(),
-                    checkpoint_version,
-                    staged_version,
+                    load_format: w.load_format.to_string(),
+                    source: w.source.clone(),
+                    checkpoint_version: source.version(),
+                    identity: Some(pb::LayoutIdentity {
+                        layout_version: id.layout_version,
+                        digest: id.digest.clone(),
+                        canonical_text: canonical,
+                        tp_size: id.tp_size as u32,
+                        rank: id.rank as u32,
+                        weight_format: id.weight_format.clone(),
+                        scale_rule: id.scale_rule.clone(),
+                        geometry_digest: Digest::of(geometry_text.as_bytes()).hex(),
+                    }),
+                    kernel_rank_digest: w.kernel_rank_digest().hex(),
+                    source_rank_digest: w.source_rank_digest().hex(),
+                    kernel_tensors: w
+                        .kernel_digests()
+                        .into_iter()
+                        .map(|d| pb::TensorDigest {
+                            name: d.name.clone(),
+                            dtype: d.dtype.clone(),
+                            shape: d.shape.iter().map(|&x| x as u64).collect(),
+                            bytes: d.bytes as u64,
+                            digest: d.digest.hex(),
+                        })
+                        .collect(),
+                    round_trip_ok: rt.ok,
+                    round_trip_failures: rt.failures,
+                    load_seconds: st.load_seconds,
+                    generation: w.generation,
+                    staged_version: versions_of(&st).1,
                     previous_version: st.previous.as_ref().map(|(_, s)| s.version()).unwrap_or_default(),
-                    generation: st.weights.as_ref().map_or(0, |w| w.generation),
-                    round_trip_failures: vec!["not checked (brief report)".into()],
-                    ..Default::default()
-                }));
-            }
-            let (w, source) = weights_of(&st, shadow)?;
-            let rt = check_rank(&*backend, w, source);
-            let id = &w.identity;
-            let canonical = id.canonical_text();
-            let geometry_text: String = canonical.lines().filter(|l| !l.starts_with("rank=")).map(|l| format!("{l}\n")).collect();
-            Ok(Response::new(pb::RankReport {
-                tp_size: plan.tp_size as u32,
-                tp_rank: plan.tp_rank as u32,
-                dp_size: plan.dp_size as u32,
-                dp_rank: plan.dp_rank as u32,
-                host,
-                device: backend.name(),
-                pid: std::process::id(),
-                load_format: w.load_format.to_string(),
-                source: w.source.clone(),
-                checkpoint_version: source.version(),
-                identity: Some(pb::LayoutIdentity {
-                    layout_version: id.layout_version,
-                    digest: id.digest.clone(),
-                    canonical_text: canonical,
-                    tp_size: id.tp_size as u32,
-                    rank: id.rank as u32,
-                    weight_format: id.weight_format.clone(),
-                    scale_rule: id.scale_rule.clone(),
-                    geometry_digest: Digest::of(geometry_text.as_bytes()).hex(),
-                }),
-                kernel_rank_digest: w.kernel_rank_digest().hex(),
-                source_rank_digest: w.source_rank_digest().hex(),
-                kernel_tensors: w
-                    .kernel_digests()
-                    .into_iter()
-                    .map(|d| pb::TensorDigest {
-                        name: d.name.clone(),
-                        dtype: d.dtype.clone(),
-                        shape: d.shape.iter().map(|&x| x as u64).collect(),
-                        bytes: d.bytes as u64,
-                        digest: d.digest.hex(),
-                    })
-                    .collect(),
-                round_trip_ok: rt.ok,
-                round_trip_failures: rt.failures,
-                load_seconds: st.load_seconds,
-                generation: w.generation,
-                staged_version: versions_of(&st).1,
-                previous_version: st.previous.as_ref().map(|(_, s)| s.version()).unwrap_or_default(),
-            }))
+                }))
+            };
+            // The round trip of a staged version is background work too.
+            if shadow { crate::background::run(work) } else { work() }
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))?
@@ -578,69 +599,90 @@ impl Worker for WorkerService {
         let r = request.into_inner();
         let state = self.state.clone();
         let backend = self.backend.clone();
+        // Verifying a staged version is background work: below the serving probes' priority.
+        let background = r.shadow;
         tokio::task::spawn_blocking(move || {
-            let mut st = lock(&state);
-            let st = &mut *st;
-            let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
-            let (w, source) = weights_of(st, r.shadow)?;
-            let spec = ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
-            orchestrator_model::limits::check_probe(spec.tokens, spec.latents)
-                .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
-            let loader = RankLoader::new(&*backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule)
-                .map_err(|e| Status::internal(e.to_string()))?;
-            let p = probe_rank_with(&loader, w, source, spec, plan.rule, !r.skip_reference)
-                .map_err(|e| Status::internal(format!("probe: {e}")))?;
-            let probed_version = source.version();
-            // The TP all-reduce of y_partial, in rank order.
-            let started = Instant::now();
-            let mut y = p.y_partial.clone();
-            if !r.nccl_unique_id.is_empty() {
-                // GPU workers: NCCL, with the id the group's rank 0 created (world size 1 included).
-                let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms as u64 });
-                backend
-                    .nccl_all_reduce(&mut st.device_collectives, r.group, &r.nccl_unique_id, plan.tp_rank, plan.tp_size, timeout, &mut y)
-                    .map_err(|e| Status::unavailable(format!("all-reduce: {e}")))?;
-            } else if plan.tp_size > 1 {
-                let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms as u64 });
-                if st.ring.as_ref().is_none_or(|(g, e, _)| (*g, *e) != (r.group, r.ring_epoch)) {
-                    // A new group or epoch (after a failure): drop the old ring, join the new one.
-                    st.ring = None;
-                    let peers: Vec<SocketAddr> = r.peers.iter().map(|a| resolve_peer(a)).collect::<Result<_, _>>()?;
-                    let listener =
-                        st.listener.as_ref().ok_or_else(|| Status::failed_precondition("no collective listener (call Assign first)"))?;
-                    let ring = listener
-                        .connect_epoch(r.group, r.ring_epoch, plan.tp_rank, &peers, timeout)
-                        .map_err(|e| Status::unavailable(format!("collective (epoch {}): {e}", r.ring_epoch)))?;
-                    st.ring = Some((r.group, r.ring_epoch, ring));
+            let work = move || {
+                let mut st = lock(&state);
+                let st = &mut *st;
+                let spec = ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
+                orchestrator_model::limits::check_probe(spec.tokens, spec.latents)
+                    .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
+                // Refusals first, so that the reference cache is out of the state only while the
+                // probe runs (the weights borrow the state meanwhile).
+                weights_of(st, r.shadow)?;
+                let mut cache = std::mem::take(&mut st.reference_cache);
+                let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+                let (w, source) = weights_of(st, r.shadow)?;
+                let loader = RankLoader::new(&*backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule)
+                    .map_err(|e| Status::internal(e.to_string()))?;
+                let p = probe_rank_with(&loader, w, source, spec, plan.rule, !r.skip_reference, Some(&mut cache));
+                let probed_version = source.version();
+                // Back in place (the weights borrowed the state while the probe ran).
+                st.reference_cache = cache;
+                let p = p.map_err(|e| Status::internal(format!("probe: {e}")))?;
+                // The TP all-reduce of y_partial, in rank order.
+                let started = Instant::now();
+                let mut y = p.y_partial.clone();
+                if !r.nccl_unique_id.is_empty() {
+                    // GPU workers: NCCL, with the id the group's rank 0 created (world size 1 included).
+                    let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms as u64 });
+                    backend
+                        .nccl_all_reduce(
+                            &mut st.device_collectives,
+                            r.group,
+                            &r.nccl_unique_id,
+                            plan.tp_rank,
+                            plan.tp_size,
+                            timeout,
+                            &mut y,
+                        )
+                        .map_err(|e| Status::unavailable(format!("all-reduce: {e}")))?;
+                } else if plan.tp_size > 1 {
+                    let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms as u64 });
+                    if st.ring.as_ref().is_none_or(|(g, e, _)| (*g, *e) != (r.group, r.ring_epoch)) {
+                        // A new group or epoch (after a failure): drop the old ring, join the new one.
+                        st.ring = None;
+                        let peers: Vec<SocketAddr> = r.peers.iter().map(|a| resolve_peer(a)).collect::<Result<_, _>>()?;
+                        let listener = st
+                            .listener
+                            .as_ref()
+                            .ok_or_else(|| Status::failed_precondition("no collective listener (call Assign first)"))?;
+                        let ring = listener
+                            .connect_epoch(r.group, r.ring_epoch, plan.tp_rank, &peers, timeout)
+                            .map_err(|e| Status::unavailable(format!("collective (epoch {}): {e}", r.ring_epoch)))?;
+                        st.ring = Some((r.group, r.ring_epoch, ring));
+                    }
+                    let (_, _, ring) = st.ring.as_mut().expect("ring set above");
+                    if let Err(e) = ring.all_reduce_sum(&mut y) {
+                        // A failed ring is never reused: the next probe joins a ring again, whatever
+                        // epoch it names.
+                        st.ring = None;
+                        return Err(Status::unavailable(format!("all-reduce: {e}")));
+                    }
+                } else {
+                    LocalCollective.all_reduce_sum(&mut y).map_err(|e| Status::internal(e.to_string()))?;
                 }
-                let (_, _, ring) = st.ring.as_mut().expect("ring set above");
-                if let Err(e) = ring.all_reduce_sum(&mut y) {
-                    // A failed ring is never reused: the next probe joins a ring again, whatever
-                    // epoch it names.
-                    st.ring = None;
-                    return Err(Status::unavailable(format!("all-reduce: {e}")));
-                }
-            } else {
-                LocalCollective.all_reduce_sum(&mut y).map_err(|e| Status::internal(e.to_string()))?;
-            }
-            let (checkpoint_version, staged_version) = versions_of(st);
-            Ok(Response::new(pb::ProbeResult {
-                probed_version,
-                checkpoint_version,
-                staged_version,
-                ok: p.ok,
-                q_mismatches: p.layers.iter().map(|l| l.q_mismatches as u64).sum(),
-                z_max_abs_err: p.z_max_abs_err,
-                z_max_rel_err: p.z_max_rel_err,
-                y_max_abs_err: p.y_max_abs_err,
-                y_max_rel_err: p.y_max_rel_err,
-                y_partial_digest: p.y_partial_digest.hex(),
-                y_digest: Digest::of_f32(&y).hex(),
-                kernel_seconds: p.kernel_s,
-                reference_seconds: p.reference_s,
-                allreduce_seconds: started.elapsed().as_secs_f64(),
-                layers: p.layers.len() as u32,
-            }))
+                let (checkpoint_version, staged_version) = versions_of(st);
+                Ok(Response::new(pb::ProbeResult {
+                    probed_version,
+                    checkpoint_version,
+                    staged_version,
+                    ok: p.ok,
+                    q_mismatches: p.layers.iter().map(|l| l.q_mismatches as u64).sum(),
+                    z_max_abs_err: p.z_max_abs_err,
+                    z_max_rel_err: p.z_max_rel_err,
+                    y_max_abs_err: p.y_max_abs_err,
+                    y_max_rel_err: p.y_max_rel_err,
+                    y_partial_digest: p.y_partial_digest.hex(),
+                    y_digest: Digest::of_f32(&y).hex(),
+                    kernel_seconds: p.kernel_s,
+                    reference_seconds: p.reference_s,
+                    allreduce_seconds: started.elapsed().as_secs_f64(),
+                    layers: p.layers.len() as u32,
+                }))
+            };
+            if background { crate::background::run(work) } else { work() }
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))?

@@ -125,3 +125,42 @@ fn probe_spec_parses_and_rejects() {
         assert!(bad.parse::<ProbeSpec>().is_err(), "{bad}");
     }
 }
+
+/// A kept reference answers exactly as recomputing it would (the same verdict and errors, bit
+/// for bit), is keyed by version and probe (another probe or version recomputes), and checks
+/// as strictly: a fault injected after the reference was kept fails against the kept entry.
+#[test]
+fn a_kept_reference_gives_the_same_verdict_and_still_catches_a_fault() {
+    use orchestrator_worker::probe::{ReferenceCache, probe_rank_with};
+    let source = dummy(Preset::Tiny, 2, false, 31);
+    let loader = RankLoader::new(&CpuBackend, source.config(), 2, 0, ScaleRule::Rceil).unwrap();
+    let mut w = loader.load(&source).unwrap();
+    let spec = ProbeSpec { tokens: 4, latents: 16, seed: 2 };
+    let mut cache = ReferenceCache::default();
+    let fresh = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
+    let kept = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
+    assert_eq!((cache.misses, cache.hits), (1, 1));
+    assert!(fresh.ok && kept.ok);
+    assert_eq!(fresh.y_partial_digest, kept.y_partial_digest);
+    assert_eq!(fresh.z_max_abs_err.to_bits(), kept.z_max_abs_err.to_bits());
+    assert_eq!(fresh.y_max_abs_err.to_bits(), kept.y_max_abs_err.to_bits());
+    // Another probe is another question.
+    let other = ProbeSpec { seed: 3, ..spec };
+    probe_rank_with(&loader, &w, &source, other, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
+    assert_eq!((cache.misses, cache.hits), (2, 1));
+    // Serving probes (no check) neither read nor fill it.
+    probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, false, Some(&mut cache)).unwrap();
+    assert_eq!((cache.misses, cache.hits), (2, 1));
+    // The weights go wrong after the reference was kept: the kept reference catches it.
+    inject(&mut w, Fault::SkipQPermutation).unwrap();
+    let caught = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
+    assert_eq!(cache.hits, 2);
+    assert!(!caught.ok && caught.layers.iter().all(|l| l.q_mismatches > 0), "{caught:?}");
+    // Bounded: only the last few entries are kept.
+    for seed in 10..10 + ReferenceCache::CAPACITY as u64 + 2 {
+        probe_rank_with(&loader, &w, &source, ProbeSpec { seed, ..spec }, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
+    }
+    let misses = cache.misses;
+    probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
+    assert_eq!(cache.misses, misses + 1, "the oldest entry was dropped");
+}

@@ -1,0 +1,261 @@
+//! `orchestrator bench update`: what a rolling update costs a served cluster, measured as a user
+//! would see it, every ratio against figures of the same run. It synthesizes two versions of a
+//! real-geometry checkpoint (once), launches a served TP x DP cluster on the first, measures the
+//! rotation's probe capacity and latency, rolls the second version out under a probe load at
+//! half that capacity, and prints update / load, the latency percentiles before and during the
+//! update, and the failed probes.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
+use orchestrator_model::{ModelConfig, Preset};
+use orchestrator_proto::v1 as pb;
+use orchestrator_worker::output::emit;
+use orchestrator_worker::probe::ProbeSpec;
+use serde::Serialize;
+
+use super::load::{Sample, at_rate, at_rate_until, capacity, percentile};
+
+#[derive(Args)]
+pub struct BenchUpdateArgs {
+    #[arg(long, default_value = "dsv41-flash")]
+    preset: String,
+    #[arg(long, default_value_t = 8)]
+    layers: usize,
+    #[arg(long, default_value_t = 2)]
+    tp: u32,
+    #[arg(long, default_value_t = 2)]
+    dp: u32,
+    /// The probe size of the load and of the update's verification.
+    #[arg(long, value_name = "T,S[,SEED]", default_value = "2,16")]
+    probe: ProbeSpec,
+    /// Seconds of each measurement before the update (capacity, then latency).
+    #[arg(long, default_value_t = 4.0)]
+    seconds: f64,
+    /// Where the two checkpoints are synthesized (kept for later runs).
+    #[arg(long, default_value = "target/bench-update")]
+    dir: PathBuf,
+    #[arg(long)]
+    json: bool,
+}
+
+/// Latency percentiles of a phase, in seconds.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Latency {
+    pub probes: usize,
+    pub failed: usize,
+    pub p50_s: f64,
+    pub p99_s: f64,
+}
+
+impl Latency {
+    fn of(samples: &[Sample]) -> Self {
+        let ms: Vec<f64> = samples.iter().map(|s| s.ms).collect();
+        Self {
+            probes: samples.len(),
+            failed: samples.iter().filter(|s| !s.ok).count(),
+            p50_s: percentile(&ms, 0.5) / 1e3,
+            p99_s: percentile(&ms, 0.99) / 1e3,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct UpdateBench {
+    pub cluster: String,
+    pub load_s: f64,
+    pub update_s: f64,
+    pub update_over_load: f64,
+    pub capacity_per_s: f64,
+    pub load_rate_per_s: f64,
+    pub before: Latency,
+    pub during: Latency,
+    pub p99_during_over_before: f64,
+    pub update_ok: bool,
+    pub steps: Vec<String>,
+    pub errors: Vec<String>,
+}
+
+fn checkpoint(dir: &Path, preset: Preset, layers: usize, seed: u64) -> anyhow::Result<PathBuf> {
+    let out = dir.join(format!("{}-{layers}layers-seed{seed}", preset.name()));
+    if !out.join(orchestrator_model::checkpoint::INDEX_FILE).exists() {
+        eprintln!("synthesizing {} (once)", out.display());
+        let config = ModelConfig::from_preset(preset, Some(layers), false)?;
+        write_checkpoint(
+            &out,
+            &SynthOptions { config, seed, max_shard_bytes: DEFAULT_MAX_SHARD_BYTES, preset_name: Some(preset.name().into()) },
+        )?;
+    }
+    Ok(out.canonicalize()?)
+}
+
+/// A served cluster started by this benchmark: shut down (or killed) when dropped.
+struct Cluster {
+    child: std::process::Child,
+    url: String,
+    token: PathBuf,
+}
+
+impl Cluster {
+    fn launch(args: &[String]) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe).arg("launch").args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+        // The launch's own report goes to stdout: drained, so that it never blocks on a full pipe.
+        let mut stdout = child.stdout.take().context("launch stdout")?;
+        std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+        let mut lines = BufReader::new(child.stderr.take().context("launch stderr")?).lines();
+        let mut seen = Vec::new();
+        let announced = loop {
+            match lines.next() {
+                Some(Ok(l)) => {
+                    if let Some(rest) = l.strip_prefix("serving: `orchestrator report --coordinator ") {
+                        break rest.split('`').next().unwrap_or_default().to_string();
+                    }
+                    seen.push(l);
+                }
+                _ => anyhow::bail!("the launch ended before serving:\n{}", seen.join("\n")),
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        let (url, token) = announced.split_once(" --token-file ").context("the serving line")?;
+        Ok(Self { child, url: url.to_string(), token: PathBuf::from(token) })
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = Command::new(std::env::current_exe().unwrap_or_default())
+            .args(["shutdown", "--coordinator", &self.url, "--token-file"])
+            .arg(&self.token)
+            .stdout(Stdio::null())
+            .status();
+        let start = Instant::now();
+        while matches!(self.child.try_wait(), Ok(None)) && start.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
+    anyhow::ensure!(a.seconds > 0.0 && a.seconds <= 600.0, "--seconds must be in (0, 600]");
+    let preset: Preset = a.preset.parse()?;
+    std::fs::create_dir_all(&a.dir).with_context(|| format!("--dir {}", a.dir.display()))?;
+    let (ck_a, ck_b) = (checkpoint(&a.dir, preset, a.layers, 1)?, checkpoint(&a.dir, preset, a.layers, 2)?);
+    let root = a.dir.canonicalize()?;
+    let probe = format!("{},{},{}", a.probe.tokens, a.probe.latents, a.probe.seed);
+    let launch_args: Vec<String> =
+        ["--serve", "--json", "--tp", &a.tp.to_string(), "--dp", &a.dp.to_string(), "--probe", &probe, "--checkpoint"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([ck_a.display().to_string(), "--allow-root".into(), root.display().to_string()])
+            .collect();
+    let started = Instant::now();
+    let cluster = Cluster::launch(&launch_args)?;
+    let launch_s = started.elapsed().as_secs_f64();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let result = runtime.block_on(async {
+        let token = orchestrator_worker::auth::Token::read(&cluster.token)?;
+        let channel = orchestrator_worker::tls::connect(&cluster.url, None).await?;
+        let client = pb::coordinator_client::CoordinatorClient::new(channel).max_decoding_message_size(64 << 20);
+        // The load time of this fresh launch, from its own report.
+        let report = {
+            let mut c = client.clone();
+            let req = orchestrator_worker::auth::request(pb::ClusterReportRequest { probe: false }, Duration::from_secs(600), Some(&token));
+            let r = c.report(req).await?.into_inner();
+            serde_json::from_str::<serde_json::Value>(&r.json)?
+        };
+        let load_s = report["timings"]["load"].as_f64().context("the launch report has no load time")?;
+        let phase = Duration::from_secs_f64(a.seconds);
+        let cap = capacity(&client, Some(&token), a.probe, a.dp as usize, phase).await;
+        anyhow::ensure!(cap > 0.0, "no routed probe was served while measuring capacity");
+        let rate = cap / 2.0;
+        let before = at_rate(&client, Some(&token), a.probe, rate, phase).await;
+        // The update under the same load; the load stops when the update ends.
+        let stop = AtomicBool::new(false);
+        let update = async {
+            let t = Instant::now();
+            let mut c = client.clone();
+            let req = orchestrator_worker::auth::request(
+                pb::UpdateRequest { checkpoint_dir: ck_b.display().to_string(), max_unavailable: 1 },
+                Duration::from_secs(3600),
+                Some(&token),
+            );
+            let r = c.update(req).await;
+            stop.store(true, Ordering::SeqCst);
+            (t.elapsed().as_secs_f64(), r)
+        };
+        let load = at_rate_until(&client, Some(&token), a.probe, rate, Duration::from_secs(3600), Some(&stop));
+        let ((update_s, response), during) = tokio::join!(update, load);
+        let response = response.map_err(|s| anyhow::anyhow!("update: {}", s.message()))?.into_inner();
+        let doc: serde_json::Value = serde_json::from_str(&response.json)?;
+        let steps =
+            doc["update"]["steps"].as_array().map(|v| v.iter().filter_map(|s| s.as_str().map(String::from)).collect()).unwrap_or_default();
+        let errors = during.iter().chain(&before).filter(|s| !s.ok).take(5).map(|s| s.error.clone()).collect();
+        let (before, during_l) = (Latency::of(&before), Latency::of(&during));
+        anyhow::Ok(UpdateBench {
+            cluster: format!(
+                "{} x {} layers, TP {} x DP {}, probe T={} S={}",
+                preset.name(),
+                a.layers,
+                a.tp,
+                a.dp,
+                a.probe.tokens,
+                a.probe.latents
+            ),
+            load_s,
+            update_s,
+            update_over_load: update_s / load_s,
+            capacity_per_s: cap,
+            load_rate_per_s: rate,
+            before,
+            during: during_l,
+            p99_during_over_before: during_l.p99_s / before.p99_s.max(1e-9),
+            update_ok: response.ok,
+            steps,
+            errors,
+        })
+    });
+    drop(cluster);
+    let b = result?;
+    if a.json {
+        emit(&format!("{}\n", serde_json::to_string_pretty(&b)?));
+    } else {
+        emit(&render(&b, launch_s));
+    }
+    Ok(b.update_ok && b.during.failed == 0 && b.before.failed == 0)
+}
+
+fn render(b: &UpdateBench, launch_s: f64) -> String {
+    let mut s = format!("update bench: {} ({} cores)\n", b.cluster, std::thread::available_parallelism().map_or(1, |n| n.get()));
+    s.push_str(&format!("  load at launch     {:>7.2} s   (the launch until serving took {launch_s:.2} s)\n", b.load_s));
+    s.push_str(&format!(
+        "  update A -> B      {:>7.2} s   {:.2}x the load (goal <= 1.5x), {}\n",
+        b.update_s,
+        b.update_over_load,
+        if b.update_ok { "ok" } else { "FAILED" }
+    ));
+    s.push_str(&format!("  probe capacity     {:>7.2} /s  (load at {:.2} /s, half)\n", b.capacity_per_s, b.load_rate_per_s));
+    s.push_str(&format!(
+        "  probe latency      before p50 {:.3} s p99 {:.3} s ({} probes); during p50 {:.3} s p99 {:.3} s ({} probes)\n",
+        b.before.p50_s, b.before.p99_s, b.before.probes, b.during.p50_s, b.during.p99_s, b.during.probes
+    ));
+    s.push_str(&format!(
+        "  p99 during / before {:>6.2}x (goal <= 3x); failed probes {} before, {} during (goal 0)\n",
+        b.p99_during_over_before, b.before.failed, b.during.failed
+    ));
+    for step in &b.steps {
+        s.push_str(&format!("  step: {step}\n"));
+    }
+    for e in &b.errors {
+        s.push_str(&format!("  error: {e}\n"));
+    }
+    s
+}

@@ -1,0 +1,61 @@
+//! Serving first: work a rank does beside serving (staging a new version) runs on a thread
+//! pool of its own whose threads run at a lower scheduling priority (nice +10), so that the
+//! probes of the version that serves, on rayon's global pool at normal priority, never queue
+//! behind it: rayon jobs of the two pools never share a queue, and the kernel gives the
+//! serving threads the cores whenever both want them. The pool has as many threads as the
+//! machine has cores (bounded), and is made once per process.
+
+use std::sync::OnceLock;
+
+/// The niceness of background threads (Linux: per thread).
+pub const BACKGROUND_NICE: i32 = 10;
+
+fn pool() -> &'static rayon::ThreadPool {
+    static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(64);
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("background-{i}"))
+            .start_handler(|_| lower_this_thread())
+            .build()
+            .unwrap_or_else(|_| rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a one-thread pool"))
+    })
+}
+
+/// Lowers the calling thread's scheduling priority (best effort: where it cannot, the work
+/// still runs on its own pool).
+fn lower_this_thread() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: gettid and setpriority take no pointers; PRIO_PROCESS with a thread id sets that
+    // thread's nice value on Linux.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        let _ = libc::setpriority(libc::PRIO_PROCESS, tid, BACKGROUND_NICE);
+    }
+}
+
+/// Runs `f` (and every rayon job it starts) on the background pool.
+pub fn run<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    pool().install(f)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn background_work_runs_on_lowered_threads_of_its_own() {
+        let (name, nice) = super::run(|| {
+            let name = std::thread::current().name().map(String::from);
+            // SAFETY: getpriority reads the calling thread's nice value.
+            #[cfg(target_os = "linux")]
+            let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::syscall(libc::SYS_gettid) as libc::id_t) };
+            #[cfg(not(target_os = "linux"))]
+            let nice = super::BACKGROUND_NICE;
+            (name, nice)
+        });
+        assert!(name.is_some_and(|n| n.starts_with("background-")));
+        assert!(nice >= super::BACKGROUND_NICE, "nice {nice}");
+        // Serving threads keep their priority.
+        assert!(!std::thread::current().name().is_some_and(|n| n.starts_with("background-")));
+    }
+}
