@@ -273,6 +273,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         );
         return finish(false, String::new(), vec![why], pending_commits);
     }
+    let validate_started = Instant::now();
     let new_version = match tokio::task::spawn_blocking({
         let (dir, running, roots) = (dir.to_path_buf(), running.clone(), roots.clone());
         move || validate(&dir, &running, &roots)
@@ -283,7 +284,11 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         Ok(Err(e)) => return finish(false, String::new(), vec![format!("refused before touching any replica: {e}")], pending_commits),
         Err(e) => return finish(false, String::new(), vec![format!("validation task failed: {e}")], pending_commits),
     };
-    steps.push(format!("validated {} (version {new_version}) against the running plan", dir.display()));
+    steps.push(format!(
+        "validated {} (version {new_version}) against the running plan in {:.2} s",
+        dir.display(),
+        validate_started.elapsed().as_secs_f64()
+    ));
     let target = SourceRecord::Checkpoint { dir: dir.to_path_buf() };
     let source = target.to_pb();
     let update = journal.as_ref().map_or(0, |(_, id, _)| *id);
@@ -385,8 +390,10 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             }
         }
         // Decided: drive every rank of every decided replica to the new version.
+        let commit_started = Instant::now();
         let statuses =
             futures_util::future::join_all(decided.iter().map(|&dp| drive_commit(cluster, dp, &new_version, commit_timeout))).await;
+        let commit_s = commit_started.elapsed().as_secs_f64();
         let mut stuck = Vec::new();
         for (&dp, status) in decided.iter().zip(statuses) {
             let r = &staged[group.iter().position(|g| *g == dp).unwrap_or(0)];
@@ -397,14 +404,19 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
                     rotation.observed_version(dp, &new_version);
                     let y = r.as_ref().map(|s| s.y.as_str()).unwrap_or_default();
                     let proof = Proof::SameAsStaged { version: &new_version, y };
-                    let back = match try_reinstate(cluster, rotation, dp, probe, proof, true).await {
+                    let t = Instant::now();
+                    let reinstated = try_reinstate(cluster, rotation, dp, probe, proof, true).await;
+                    let reinstate_s = t.elapsed().as_secs_f64();
+                    let back = match reinstated {
                         Ok(_) => String::new(),
                         Err(why) => {
                             rotation.pull(dp, &format!("its probe after the commit failed: {why}"));
                             format!("; its probe after the commit failed, out of rotation: {why}")
                         }
                     };
-                    steps.push(format!("replica dp{dp}: {detail}; swapped to {new_version}{back}"));
+                    steps.push(format!(
+                        "replica dp{dp}: {detail}; swapped to {new_version} in {commit_s:.2} s, probed back in {reinstate_s:.2} s{back}"
+                    ));
                 }
                 CommitStatus::Stuck { ranks } => {
                     let labels: Vec<String> = ranks.iter().map(|(tp, why)| format!("rank dp{dp}/tp{tp} {why}")).collect();
@@ -537,7 +549,9 @@ async fn stage_and_verify(
     }
     let stage_s = t.elapsed().as_secs_f64();
     // Verify the staged version: round trips and versions, then probes and agreement on y.
+    let t = Instant::now();
     let reports = cluster.reports_in(Some(dp), true).await;
+    let report_s = t.elapsed().as_secs_f64();
     let mut digests = BTreeMap::new();
     for r in reports.values() {
         let r = r.as_ref().map_err(Clone::clone)?;
@@ -569,7 +583,9 @@ async fn stage_and_verify(
     // The first replica of a version runs the reference; a later one, byte-identical to it,
     // only its own kernel pass (its y must equal the verified y: checked by the caller).
     let skip_reference = verified.is_some();
+    let t = Instant::now();
     let probes = cluster.probe_in(Some(dp), (probe.tokens as u32, probe.latents as u32, probe.seed), true, skip_reference).await;
+    let probe_s = t.elapsed().as_secs_f64();
     let mut ys = Vec::new();
     for (id, p) in &probes {
         let p = p.as_ref().map_err(Clone::clone)?;
@@ -592,5 +608,9 @@ async fn stage_and_verify(
         None => format!("verified against the reference (round trips, probes, y {y})"),
         Some(v) => format!("verified as byte-identical to dp{} (round trips, digests of every rank, y {y})", v.dp),
     };
-    Ok(Staged { detail: format!("staged in {stage_s:.2} s, {how}"), y: y.clone(), proof: VerifiedVersion { dp, digests } })
+    Ok(Staged {
+        detail: format!("staged in {stage_s:.2} s, {how} in {:.2} s (reports {report_s:.2} s, probe {probe_s:.2} s)", report_s + probe_s),
+        y: y.clone(),
+        proof: VerifiedVersion { dp, digests },
+    })
 }
