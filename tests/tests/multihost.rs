@@ -62,7 +62,7 @@ fn workers_started_apart_join_verify_and_follow_rotation() {
             "--serve",
             "--json",
             "--inject-fault",
-            "0:slow-stage",
+            "0:slow-commit",
         ],
     );
     // Nothing registered yet: the coordinator is alive but not ready.
@@ -89,7 +89,8 @@ fn workers_started_apart_join_verify_and_follow_rotation() {
     assert_eq!((hosts[0]["host"].as_str(), hosts[0]["ok"].as_u64(), hosts[0]["failed"].as_u64()), (Some("node-a"), Some(2), Some(0)));
     let rank0 = rank(&report, 0, 0)["address"].as_str().unwrap().to_string();
 
-    // A rolling update: rank 0 stages slowly, so its replica is out (not ready) meanwhile.
+    // A rolling update: rank 0 holds its commit a second, and its replica is out of rotation (not
+    // ready) from its verification to the swap and the probe after it.
     let update = std::process::Command::new(orchestrator_e2e::bin("orchestrator"))
         .args(["update", "--coordinator", &c.url, "--token-file", token.to_str().unwrap(), "--checkpoint", b.to_str().unwrap()])
         .stdout(std::process::Stdio::piped())
