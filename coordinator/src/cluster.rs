@@ -237,9 +237,7 @@ impl Cluster {
                 nccl_unique_id: Vec::new(),
             });
         }
-        let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
-        let ring_epochs = (0..dp).map(|_| AtomicU32::new(0)).collect();
-        Ok(Self { tp, dp, workers, registry, token, group_locks, tls, ring_epochs })
+        Ok(Self::of(tp, dp, workers, registry, token, tls, 0))
     }
 
     /// The cluster of `tp * dp` workers that engines or users start and that register by rank
@@ -256,8 +254,13 @@ impl Cluster {
                 nccl_unique_id: Vec::new(),
             })
             .collect();
+        Self::of(tp, dp, workers, registry, token, tls, 0)
+    }
+
+    /// A cluster of `workers`, one group lock per replica, every ring starting at `epoch`.
+    fn of(tp: u32, dp: u32, workers: Vec<WorkerHandle>, registry: Arc<Registry>, token: Token, tls: Option<TlsFiles>, epoch: u32) -> Self {
         let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
-        let ring_epochs = (0..dp).map(|_| AtomicU32::new(0)).collect();
+        let ring_epochs = (0..dp).map(|_| AtomicU32::new(epoch)).collect();
         Self { tp, dp, workers, registry, token, group_locks, tls, ring_epochs }
     }
 
@@ -295,14 +298,12 @@ impl Cluster {
                 nccl_unique_id: crate::journal::from_hex(&r.nccl_unique_id).unwrap_or_default(),
             });
         }
-        let group_locks = (0..dp).map(|_| tokio::sync::Mutex::new(())).collect();
         // A new coordinator starts every ring on an epoch the old one cannot have used (it counted
         // up from 0 by failures; this one starts from the clock), as the rings the old one built
         // may have broken meanwhile.
         let base = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_secs() as u32).max(1);
-        let ring_epochs = (0..dp).map(|_| AtomicU32::new(base)).collect();
         registry.assembled();
-        let mut cluster = Self { tp, dp, workers, registry, token, group_locks, tls, ring_epochs };
+        let mut cluster = Self::of(tp, dp, workers, registry, token, tls, base);
         // Lazily: a worker that died meanwhile fails its calls (and is named), it does not stop
         // the others from being adopted.
         cluster.connect_registered(true).await?;

@@ -63,8 +63,6 @@ struct State {
     ring: Option<(u64, u32, TcpRing)>,
     /// The NCCL communicator of a GPU worker's TP group.
     device_collectives: DeviceCollectives,
-    /// What the reference computed for the versions and probes this rank was asked about.
-    reference_cache: crate::probe::ReferenceCache,
     /// How long the active weights took to load (or, after a commit, to stage), and the same
     /// for the staged and the kept versions.
     load_seconds: f64,
@@ -87,6 +85,10 @@ pub struct WorkerService {
     /// grpc.health.v1 readiness: SERVING only while the coordinator says the replica is in
     /// rotation on this rank's active version (none in in-process tests).
     health: Option<crate::grpc::Health>,
+    /// What the reference computed for the versions and probes this rank was asked about
+    /// (keyed by everything the reference depends on, so it outlives any one plan). Locked by
+    /// a probe while it holds the state lock.
+    reference_cache: Arc<Mutex<crate::probe::ReferenceCache>>,
 }
 
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
@@ -168,6 +170,7 @@ impl WorkerService {
             ring_ip: std::net::Ipv4Addr::LOCALHOST.into(),
             advertise: "127.0.0.1".into(),
             health: None,
+            reference_cache: Default::default(),
         }
     }
 
@@ -599,6 +602,7 @@ impl Worker for WorkerService {
         let r = request.into_inner();
         let state = self.state.clone();
         let backend = self.backend.clone();
+        let reference_cache = self.reference_cache.clone();
         // Verifying a staged version is background work: below the serving probes' priority.
         let background = r.shadow;
         tokio::task::spawn_blocking(move || {
@@ -608,19 +612,15 @@ impl Worker for WorkerService {
                 let spec = ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
                 orchestrator_model::limits::check_probe(spec.tokens, spec.latents)
                     .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
-                // Refusals first, so that the reference cache is out of the state only while the
-                // probe runs (the weights borrow the state meanwhile).
-                weights_of(st, r.shadow)?;
-                let mut cache = std::mem::take(&mut st.reference_cache);
                 let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
                 let (w, source) = weights_of(st, r.shadow)?;
                 let loader = RankLoader::new(&*backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule)
                     .map_err(|e| Status::internal(e.to_string()))?;
-                let p = probe_rank_with(&loader, w, source, spec, plan.rule, !r.skip_reference, Some(&mut cache));
+                let mut cache = reference_cache.lock().unwrap_or_else(|p| p.into_inner());
+                let p = probe_rank_with(&loader, w, source, spec, plan.rule, !r.skip_reference, Some(&mut cache))
+                    .map_err(|e| Status::internal(format!("probe: {e}")))?;
+                drop(cache);
                 let probed_version = source.version();
-                // Back in place (the weights borrowed the state while the probe ran).
-                st.reference_cache = cache;
-                let p = p.map_err(|e| Status::internal(format!("probe: {e}")))?;
                 // The TP all-reduce of y_partial, in rank order.
                 let started = Instant::now();
                 let mut y = p.y_partial.clone();
