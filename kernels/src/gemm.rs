@@ -15,6 +15,8 @@
 
 use rayon::prelude::*;
 
+mod tile;
+
 use crate::layout::swizzle_offset;
 use crate::mxfp8::{self, BLOCK, ScaleRule};
 use crate::{KernelError, e4m3, e8m0};
@@ -137,33 +139,16 @@ pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
     // Column tiles in parallel; each writes its own [T, TILE] block, scattered afterwards.
     let tiles: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(TILE))
         .into_par_iter()
-        .map(|tile| {
-            let n0 = tile * TILE;
-            let width = TILE.min(n - n0);
-            let mut wt = vec![0f32; k * TILE];
-            for j in 0..width {
-                let row = &w.elements[(n0 + j) * k..(n0 + j + 1) * k];
-                for (kb, block) in row.chunks_exact(BLOCK).enumerate() {
-                    let s = e8m0::to_f32(w.scale(n0 + j, kb));
-                    for (i, &e) in block.iter().enumerate() {
-                        wt[(kb * BLOCK + i) * TILE + j] = e4m3::to_f32(e) * s;
-                    }
-                }
-            }
-            let mut out = vec![0f32; t_rows * TILE];
-            for t in 0..t_rows {
-                let a_row = &a_deq[t * k..(t + 1) * k];
-                let mut acc = [0f32; TILE];
-                for (kk, &av) in a_row.iter().enumerate() {
-                    let wrow: &[f32; TILE] = wt[kk * TILE..(kk + 1) * TILE].try_into().expect("tile row");
-                    for j in 0..TILE {
-                        acc[j] += av * wrow[j];
-                    }
-                }
-                out[t * TILE..(t + 1) * TILE].copy_from_slice(&acc);
-            }
-            (n0, out)
-        })
+        .map_init(
+            || vec![0f32; k * TILE],
+            |wt, tile| {
+                let n0 = tile * TILE;
+                tile::fill(w, n0, TILE.min(n - n0), wt);
+                let mut out = vec![0f32; t_rows * TILE];
+                tile::accumulate(&a_deq, t_rows, k, wt, &mut out);
+                (n0, out)
+            },
+        )
         .collect();
     let mut out = vec![0f32; t_rows * n];
     for (n0, block) in tiles {

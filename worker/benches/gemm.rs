@@ -1,5 +1,5 @@
 //! `cargo bench -p orchestrator-worker --bench gemm`: MXFP8 GEMM GFLOP/s on the dsv41-flash
-//! TP 4 shapes (T = 1, 16, 128) next to the naive triple loop and the inner loop's peak,
+//! TP 4 shapes (T = 1, 16, 128) next to the naive triple loop and the memory read roof,
 //! measured in the same run, and the time of one probe (T = 16, S = 128) per rank.
 
 use orchestrator_worker::bench::run_gemm;

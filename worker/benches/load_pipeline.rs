@@ -20,6 +20,7 @@ fn main() -> anyhow::Result<()> {
         iters: 3,
         dir,
         formats: vec!["fp8".into(), "bf16".into()],
+        worker_exe: Some(env!("CARGO_BIN_EXE_orchestrator-worker").into()),
     };
     let report = run(&opts)?;
     print!("{}", report.render(&opts));

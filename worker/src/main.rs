@@ -231,6 +231,7 @@ fn main() -> ExitCode {
                 iters: args.iters,
                 dir: args.dir.clone(),
                 formats: args.formats.clone(),
+                worker_exe: std::env::current_exe().ok(),
             };
             let report = bench::run(&opts)?;
             if args.json {

@@ -1,0 +1,237 @@
+//! The two inner steps of [`super::gemm`], each with a portable version and an x86-64 version
+//! (AVX2 + F16C, chosen at run time) that gives the same bits:
+//!
+//! - [`fill`]: dequantize a tile of `TILE` weight rows and transpose it to `[K, TILE]` f32.
+//!   The x86 version decodes eight E4M3 bytes at a time without a table: the byte's low seven
+//!   bits shifted left by 7 (and its sign) are an IEEE half whose value is the E4M3 value / 256
+//!   (normals and subnormals alike), so `cvtph2ps` then `* (256 * scale)` gives the E4M3 value
+//!   times its scale rounded once, as the portable code computes it; then an 8 x 8 register
+//!   transpose. Tiles with NaN bytes (which loads refuse) take the portable code.
+//! - [`accumulate`]: `out[t, j] = sum_k a[t, k] * wt[k, j]` over the tile, in increasing `k`,
+//!   a multiply then an add (never fused), so every output sums exactly as the plain loop does.
+
+use super::{TILE, WeightView};
+use crate::mxfp8::BLOCK;
+use crate::{e4m3, e8m0};
+
+/// Rows `n0 .. n0 + width` of `w`, dequantized, into `wt[k * TILE + j]` (`wt` holds
+/// `w.k * TILE` values; columns at or past `width` are zero).
+pub(super) fn fill(w: &WeightView<'_>, n0: usize, width: usize, wt: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if width == TILE && x86::available() && e4m3::find_nan(&w.elements[n0 * w.k..(n0 + TILE) * w.k]).is_none() {
+        // SAFETY: the CPU has AVX2 and F16C (checked just above); `fill` checks the bounds.
+        unsafe { x86::fill(w, n0, wt) };
+        return;
+    }
+    fill_portable(w, n0, width, wt);
+}
+
+fn fill_portable(w: &WeightView<'_>, n0: usize, width: usize, wt: &mut [f32]) {
+    let k = w.k;
+    wt.fill(0.0);
+    for j in 0..width {
+        let row = &w.elements[(n0 + j) * k..(n0 + j + 1) * k];
+        for (kb, block) in row.chunks_exact(BLOCK).enumerate() {
+            let s = e8m0::to_f32(w.scale(n0 + j, kb));
+            for (i, &e) in block.iter().enumerate() {
+                wt[(kb * BLOCK + i) * TILE + j] = e4m3::to_f32(e) * s;
+            }
+        }
+    }
+}
+
+/// `out[t * TILE + j] = sum_kk a[t * k + kk] * wt[kk * TILE + j]` for `t < rows`.
+pub(super) fn accumulate(a: &[f32], rows: usize, k: usize, wt: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if x86::available() {
+        // SAFETY: the CPU has AVX2 (checked just above); `accumulate` checks the bounds.
+        unsafe { x86::accumulate(a, rows, k, wt, out) };
+        return;
+    }
+    accumulate_portable(a, rows, k, wt, out);
+}
+
+fn accumulate_portable(a: &[f32], rows: usize, k: usize, wt: &[f32], out: &mut [f32]) {
+    for t in 0..rows {
+        let a_row = &a[t * k..(t + 1) * k];
+        let mut acc = [0f32; TILE];
+        for (kk, &av) in a_row.iter().enumerate() {
+            let wrow: &[f32; TILE] = wt[kk * TILE..(kk + 1) * TILE].try_into().expect("tile row");
+            for j in 0..TILE {
+                acc[j] += av * wrow[j];
+            }
+        }
+        out[t * TILE..(t + 1) * TILE].copy_from_slice(&acc);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{BLOCK, TILE, WeightView};
+    use crate::e8m0;
+
+    pub fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
+    }
+
+    /// Eight E4M3 bytes at `p` (none of them NaN) as exact f32 values divided by 256: the
+    /// byte sign-extended to 16 bits and shifted left by 7 keeps the sign in bit 15 and the low
+    /// seven bits in bits 7..14 once bit 14 (a copy of the sign) is cleared, and that is the half
+    /// whose value is the E4M3 value / 256.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn decode8_over_256(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable bytes at `p` (an unaligned load).
+        let v = unsafe { _mm_cvtepi8_epi16(_mm_loadl_epi64(p.cast())) };
+        let half = _mm_and_si128(_mm_slli_epi16::<7>(v), _mm_set1_epi16(0xBF80u16 as i16));
+        _mm256_cvtph_ps(half)
+    }
+
+    /// Rows of `r` become columns.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(s0, s4),
+            _mm256_permute2f128_ps::<0x20>(s1, s5),
+            _mm256_permute2f128_ps::<0x20>(s2, s6),
+            _mm256_permute2f128_ps::<0x20>(s3, s7),
+            _mm256_permute2f128_ps::<0x31>(s0, s4),
+            _mm256_permute2f128_ps::<0x31>(s1, s5),
+            _mm256_permute2f128_ps::<0x31>(s2, s6),
+            _mm256_permute2f128_ps::<0x31>(s3, s7),
+        ]
+    }
+
+    /// A full tile (`TILE` rows from `n0`) without NaN bytes.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn fill(w: &WeightView<'_>, n0: usize, wt: &mut [f32]) {
+        let k = w.k;
+        assert!(w.elements.len() >= (n0 + TILE) * k && wt.len() >= k * TILE && k.is_multiple_of(BLOCK));
+        let base = w.elements.as_ptr();
+        let out = wt.as_mut_ptr();
+        for g in 0..TILE / 8 {
+            for kb in 0..k / BLOCK {
+                let bytes: [u8; 8] = std::array::from_fn(|r| w.scale(n0 + g * 8 + r, kb));
+                // (value / 256) * (scale * 256) is value * scale rounded once, as the portable
+                // code computes it, while scale * 256 stays finite (scale bytes up to 246).
+                let folded = bytes.iter().all(|&b| b <= 246);
+                let scales: [__m256; 8] = std::array::from_fn(|r| {
+                    let s = e8m0::to_f32(bytes[r]);
+                    _mm256_set1_ps(if folded { s * 256.0 } else { s })
+                });
+                for c in 0..BLOCK / 8 {
+                    let kk = kb * BLOCK + c * 8;
+                    // SAFETY: row n0 + g*8 + r < n0 + TILE and kk + 8 <= k (asserted above).
+                    let rows: [__m256; 8] = std::array::from_fn(|r| {
+                        let x = unsafe { decode8_over_256(base.add((n0 + g * 8 + r) * k + kk)) };
+                        if folded { _mm256_mul_ps(x, scales[r]) } else { _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(256.0)), scales[r]) }
+                    });
+                    let cols = transpose8(rows);
+                    for (i, col) in cols.into_iter().enumerate() {
+                        // SAFETY: (kk + i) * TILE + g * 8 + 8 <= k * TILE.
+                        unsafe { _mm256_storeu_ps(out.add((kk + i) * TILE + g * 8), col) };
+                    }
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn accumulate(a: &[f32], rows: usize, k: usize, wt: &[f32], out: &mut [f32]) {
+        assert!(a.len() >= rows * k && wt.len() >= k * TILE && out.len() >= rows * TILE);
+        let w = wt.as_ptr();
+        // Two activation rows at a time share each load of the tile.
+        let mut t = 0;
+        while t + 2 <= rows {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for kk in 0..k {
+                let a0 = _mm256_set1_ps(a[t * k + kk]);
+                let a1 = _mm256_set1_ps(a[(t + 1) * k + kk]);
+                for q in 0..4 {
+                    // SAFETY: kk * TILE + q * 8 + 8 <= k * TILE.
+                    let wv = unsafe { _mm256_loadu_ps(w.add(kk * TILE + q * 8)) };
+                    acc[q] = _mm256_add_ps(acc[q], _mm256_mul_ps(a0, wv));
+                    acc[4 + q] = _mm256_add_ps(acc[4 + q], _mm256_mul_ps(a1, wv));
+                }
+            }
+            for q in 0..4 {
+                // SAFETY: (t + 1) * TILE + q * 8 + 8 <= rows * TILE.
+                unsafe {
+                    _mm256_storeu_ps(out.as_mut_ptr().add(t * TILE + q * 8), acc[q]);
+                    _mm256_storeu_ps(out.as_mut_ptr().add((t + 1) * TILE + q * 8), acc[4 + q]);
+                }
+            }
+            t += 2;
+        }
+        if t < rows {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for kk in 0..k {
+                let a0 = _mm256_set1_ps(a[t * k + kk]);
+                for (q, acc) in acc.iter_mut().enumerate() {
+                    // SAFETY: as above.
+                    let wv = unsafe { _mm256_loadu_ps(w.add(kk * TILE + q * 8)) };
+                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(a0, wv));
+                }
+            }
+            for (q, acc) in acc.into_iter().enumerate() {
+                // SAFETY: t * TILE + q * 8 + 8 <= rows * TILE.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(t * TILE + q * 8), acc) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gemm::ScaleView;
+
+    #[test]
+    fn both_versions_give_the_same_bits_for_every_byte_and_scale() {
+        // Every E4M3 byte against scales from tiny to huge, 64 rows x 256 k: rows 0..32 hold
+        // every finite byte (the x86 tile), rows 32..64 NaNs too (the portable fallback).
+        // (A NaN scale never reaches a GEMM: loads refuse the byte 0xFF.)
+        let (n, k) = (64, 256);
+        let elements: Vec<u8> = (0..n * k)
+            .map(|i| (i * 7 + i / k) as u8)
+            .enumerate()
+            .map(|(i, b)| if i < 32 * k && e4m3::is_nan(b) { b ^ 1 } else { b })
+            .collect();
+        assert!(elements[..32 * k].iter().all(|&b| !e4m3::is_nan(b)) && elements[32 * k..].iter().any(|&b| e4m3::is_nan(b)));
+        let scales: Vec<u8> = (0..n * k / BLOCK).map(|i| [0u8, 1, 100, 127, 128, 200, 246, 247, 254, 253][i % 10]).collect();
+        let w = WeightView { elements: &elements, n, k, scales: ScaleView::RowMajor(&scales) };
+        for n0 in [0, 32] {
+            let (mut fast, mut plain) = (vec![1f32; k * TILE], vec![2f32; k * TILE]);
+            fill(&w, n0, TILE, &mut fast);
+            fill_portable(&w, n0, TILE, &mut plain);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let differ = bits(&fast).iter().zip(bits(&plain)).position(|(a, b)| *a != b);
+            assert_eq!(differ, None, "tile at row {n0}");
+            let a: Vec<f32> = (0..5 * k).map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.125).collect();
+            let finite: Vec<f32> = plain.iter().map(|x| if x.is_finite() { *x } else { 0.5 }).collect();
+            let (mut got, mut want) = (vec![0f32; 5 * TILE], vec![0f32; 5 * TILE]);
+            accumulate(&a, 5, k, &finite, &mut got);
+            accumulate_portable(&a, 5, k, &finite, &mut want);
+            assert_eq!(bits(&got), bits(&want), "accumulate at row {n0}");
+        }
+    }
+}
