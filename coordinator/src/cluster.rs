@@ -8,8 +8,8 @@ use std::future::Future;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use orchestrator_proto::limits;
@@ -221,6 +221,7 @@ impl Cluster {
                 .args(allow_roots.iter().flat_map(|r| [std::ffi::OsStr::new("--allow-root"), r.as_os_str()]))
                 .args(["--coordinator-grace", &grace.as_secs_f64().to_string()])
                 .args(tls.iter().flat_map(|t| [std::ffi::OsStr::new("--tls-dir"), t.dir.as_os_str()]))
+                .env(orchestrator_worker::logging::LOG_FORMAT_ENV, orchestrator_worker::logging::current().name())
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit())
@@ -506,27 +507,47 @@ impl Cluster {
         if failures.is_empty() { Ok(()) } else { Err(failures) }
     }
 
-    /// Loads every rank in parallel, showing progress on stderr; load seconds by worker.
+    /// Loads every rank in parallel, showing progress on stderr (a bar per rank on a terminal,
+    /// a line per finished rank otherwise, an event per finished rank with `--log-format
+    /// json`); load seconds by worker.
     pub async fn load(&self) -> RankResults<f64> {
-        let progress: Arc<Mutex<BTreeMap<u32, (u32, u32)>>> = Arc::new(Mutex::new(BTreeMap::new()));
-        let terminal = std::io::stderr().is_terminal();
-        let labels: BTreeMap<u32, String> = self.workers.iter().map(|w| (w.id, format!("dp{}/tp{}", w.dp, w.tp))).collect();
-        let show = {
-            let progress = progress.clone();
-            let labels = labels.clone();
-            move |id: u32, done: u32, total: u32, finished: Option<f64>| {
-                let mut p = progress.lock().unwrap_or_else(|e| e.into_inner());
-                p.insert(id, (done, total));
-                if terminal {
-                    let line: Vec<String> = p.iter().map(|(i, (d, t))| format!("{} {d}/{t}", labels[i])).collect();
-                    eprint!("\rloading: {}   ", line.join("  "));
-                } else if let Some(s) = finished {
-                    eprintln!("loaded rank {} ({done} layers) in {s:.2} s", labels[&id]);
+        use orchestrator_worker::logging::{LogFormat, current};
+        let json = current() == LogFormat::Json;
+        let bars = (!json && std::io::stderr().is_terminal()).then(|| {
+            let multi = indicatif::MultiProgress::new();
+            let style = indicatif::ProgressStyle::with_template("{prefix:>9} [{bar:30}] {pos}/{len} layers {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> ");
+            let bars: BTreeMap<u32, indicatif::ProgressBar> = self
+                .workers
+                .iter()
+                .map(|w| {
+                    let bar =
+                        multi.add(indicatif::ProgressBar::new(0).with_style(style.clone()).with_prefix(format!("dp{}/tp{}", w.dp, w.tp)));
+                    (w.id, bar)
+                })
+                .collect();
+            (multi, bars)
+        });
+        let ranks: BTreeMap<u32, (u32, u32)> = self.workers.iter().map(|w| (w.id, (w.dp, w.tp))).collect();
+        let show = move |id: u32, done: u32, total: u32, finished: Option<f64>| {
+            let (dp, tp) = ranks[&id];
+            match (&bars, finished) {
+                (Some((_, bars)), _) => {
+                    let bar = &bars[&id];
+                    bar.set_length(total as u64);
+                    bar.set_position(done as u64);
+                    if let Some(s) = finished {
+                        bar.finish_with_message(format!("{s:.2} s"));
+                    }
                 }
+                (None, Some(s)) if json => tracing::info!(replica = dp, tp_rank = tp, layers = done, seconds = s, "rank loaded"),
+                (None, Some(s)) => eprintln!("loaded rank dp{dp}/tp{tp} ({done} layers) in {s:.2} s"),
+                (None, None) => {}
             }
         };
         let show = Arc::new(show);
-        let result = self
+        self
             .fan_out(|w, mut client| {
                 let label = w.label();
                 let id = w.id;
@@ -549,11 +570,7 @@ impl Cluster {
                     }
                 }
             })
-            .await;
-        if terminal {
-            eprintln!();
-        }
-        result
+            .await
     }
 
     /// Runs the probe on the ranks of one replica (or all), on their active or staged weights.

@@ -174,6 +174,8 @@ impl Finding {
 /// One cross-rank rule's verdict.
 #[derive(Clone, Debug, Serialize)]
 pub struct Rule {
+    /// A short stable name (the `rule` label of `orchestrator_verification_failures_total`).
+    pub id: String,
     pub rule: String,
     pub ok: bool,
     /// Each disagreement as text (ranks, tensor, what differs).
@@ -241,8 +243,28 @@ fn differing_tensors(a: &RankRow, b: &RankRow) -> Vec<String> {
     a.kernel_tensors.iter().filter(|(n, d)| b.kernel_tensors.get(*n) != Some(d)).map(|(n, _)| n.clone()).collect()
 }
 
+/// Each rule's short name, by its sentence.
+const RULE_IDS: [(&str, &str); 9] = [
+    ("every rank answered", "ranks_answered"),
+    ("replicas with the same tp_rank hold identical kernel digests", "replica_digests"),
+    ("all layout identities agree on geometry and version", "layout_identity"),
+    ("every round trip holds", "round_trip"),
+    ("every probe is within tolerance (q bit-exact, z within 1e-3)", "probe_tolerance"),
+    ("every rank of a TP group has the same y", "group_y"),
+    ("every DP replica has the same y", "replica_y"),
+    ("kernel digests equal the coordinator's golden recomputation", "golden"),
+    ("every probe ran", "probes_ran"),
+];
+
 fn rule(name: &str, details: Vec<Finding>) -> Rule {
-    Rule { rule: name.to_string(), ok: details.is_empty(), findings: details.iter().map(|f| f.text.clone()).collect(), details }
+    let id = RULE_IDS.iter().find(|(n, _)| *n == name).map_or("other", |(_, id)| id);
+    Rule {
+        id: id.to_string(),
+        rule: name.to_string(),
+        ok: details.is_empty(),
+        findings: details.iter().map(|f| f.text.clone()).collect(),
+        details,
+    }
 }
 
 /// Applies the cross-rank rules and sets every row's verdict. `golden` holds, per tp rank, the
@@ -564,6 +586,7 @@ mod tests {
     }
 
     fn failed_rules(r: &ConsistencyReport) -> Vec<&str> {
+        assert!(r.rules.iter().all(|rule| rule.id != "other"), "a rule without a short name: {:?}", r.rules);
         r.rules.iter().filter(|r| !r.ok).map(|r| r.rule.as_str()).collect()
     }
 

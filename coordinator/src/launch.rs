@@ -63,6 +63,8 @@ pub struct LaunchPlan {
     pub tls: Option<orchestrator_worker::tls::TlsFiles>,
     /// Also serve the health statuses in plaintext here (Kubernetes probes).
     pub health_listen: Option<SocketAddr>,
+    /// Serve Prometheus metrics at `http://ADDR/metrics`.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 /// Who starts a cluster's workers.
@@ -151,11 +153,20 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     let address = endpoint.address;
     if let Some(h) = plan.health_listen {
         let at = endpoint.health.serve_plaintext(h).await?;
-        eprintln!("health (plaintext, grpc.health.v1 only) on {at}");
+        orchestrator_worker::status!(; "health (plaintext, grpc.health.v1 only) on {at}");
+    }
+    if let Some(m) = plan.metrics_listen {
+        let slot = endpoint.session.clone();
+        let render = Arc::new(move || {
+            let session = slot.read().unwrap_or_else(|p| p.into_inner()).clone();
+            crate::metrics::metrics().render(session.as_deref())
+        });
+        let at = orchestrator_worker::metrics::serve(m, render).await.map_err(|e| anyhow::anyhow!("--metrics-listen {m}: {e}"))?;
+        orchestrator_worker::status!(; "metrics on http://{at}/metrics");
     }
     let (mut cluster, join_deadline) = match plan.workers {
         Workers::Local { device, grace } => {
-            eprintln!("coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);
+            orchestrator_worker::status!(; "coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);
             let cluster = Cluster::spawn(
                 device,
                 plan.tp,
@@ -171,7 +182,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
             (cluster, Duration::from_secs(30))
         }
         Workers::Join { timeout } => {
-            eprintln!(
+            orchestrator_worker::status!(;
                 "coordinator listening on {address} ({}); waiting up to {} s for {} workers to register (TP {} x DP {})",
                 endpoint.public_url,
                 timeout.as_secs(),
@@ -188,7 +199,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         if matches!(plan.workers, Workers::Join { .. }) {
             let hosts: Vec<String> =
                 cluster.registry.by_host(plan.tp * plan.dp).into_iter().map(|(h, r)| format!("{h} (ranks {r:?})")).collect();
-            eprintln!("every rank registered: {}", hosts.join(", "));
+            orchestrator_worker::status!(; "every rank registered: {}", hosts.join(", "));
         }
         cluster.assign(&plan.source, plan.scale_rule.name(), plan.fault, plan.dump_dir.as_deref()).await
     };

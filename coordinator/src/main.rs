@@ -6,6 +6,7 @@ mod cluster;
 mod consistency;
 mod journal;
 mod launch;
+mod metrics;
 mod recover;
 mod registry;
 mod rollout;
@@ -35,6 +36,9 @@ use orchestrator_worker::tls::{describe_first_call, describe_status};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log events (stderr, filtered by RUST_LOG) as text or as JSON, one event per line.
+    #[arg(long, global = true, value_enum, default_value_t, env = "ORCHESTRATOR_LOG_FORMAT")]
+    log_format: orchestrator_worker::logging::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -473,8 +477,8 @@ fn probe_cmd(a: ProbeLoadArgs) -> anyhow::Result<bool> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     let cli = Cli::parse();
+    orchestrator_worker::logging::init(cli.log_format);
     let result = match cli.command {
         Command::Launch(a) => cli::launch::launch_cmd(a),
         Command::Coordinator(a) => cli::launch::coordinator_cmd(a),

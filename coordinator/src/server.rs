@@ -80,7 +80,7 @@ impl Endpoint {
         if let Some(t) = &self.tls {
             auth.push_str(&format!(" --tls-dir {}", t.dir.display()));
         }
-        eprintln!("serving: `orchestrator report {auth}` re-runs the checks; `orchestrator shutdown {auth}` stops");
+        orchestrator_worker::status!(; "serving: `orchestrator report {auth}` re-runs the checks; `orchestrator shutdown {auth}` stops");
         let health = tokio::spawn(health_loop(session.clone(), self.health.clone()));
         *self.session.write().unwrap_or_else(|p| p.into_inner()) = Some(session);
         tokio::select! {

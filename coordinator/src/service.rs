@@ -105,9 +105,16 @@ impl Coordinator for CoordinatorService {
         let spec = orchestrator_worker::probe::ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
         // On a task of its own, so a client that goes away cannot cut it off between a failure
         // and pulling the replica (or the ring epoch that failure starts).
+        let started = std::time::Instant::now();
+        let rotation = session.rotation.clone();
         let result = tokio::spawn(async move { crate::update::routed_probe(&session.cluster, &session.rotation, spec).await })
             .await
             .map_err(|e| Status::internal(format!("probe task: {e}")))?;
+        // A failed probe counts against the version its replica was serving.
+        let replica = (result.ok || result.error != crate::update::NO_REPLICA).then_some(result.replica);
+        let version =
+            if result.ok { result.checkpoint_version.clone() } else { replica.map(|dp| rotation.version(dp)).unwrap_or_default() };
+        crate::metrics::metrics().routed_probe(replica, &version, result.ok, started.elapsed().as_secs_f64());
         Ok(Response::new(result))
     }
 

@@ -135,6 +135,11 @@ impl Session {
             self.updating.load(Ordering::SeqCst),
         );
         report.replicas = self.rotation.states();
+        let metrics = crate::metrics::metrics();
+        metrics.rows(&report.ranks);
+        for rule in report.rules.iter().filter(|r| !r.ok) {
+            metrics.verification_failed(&rule.id);
+        }
         report
     }
 }
@@ -189,6 +194,7 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_worker::grp
         for dp in 0..cluster.dp {
             let st = rotation.state(dp);
             let down = cluster.down_in(dp).await;
+            crate::metrics::metrics().set_up(dp, down.iter().filter(|d| d.is_none()).count());
             match health_action(st.serving, st.owned_by_update, &down, st.pending_commit.as_deref()) {
                 HealthAction::Keep => {}
                 HealthAction::Pull { why } => {
@@ -198,7 +204,7 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_worker::grp
                         rotation.pull(dp, &why);
                     }
                     tracing::warn!(dp, "replica out of rotation: {why}");
-                    eprintln!("replica dp{dp}: out of rotation: {why}");
+                    orchestrator_worker::status!(replica = dp; "replica dp{dp}: out of rotation: {why}");
                 }
                 HealthAction::StayOut => {
                     if !st.dead {
@@ -218,7 +224,7 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_worker::grp
                                 }
                                 rotation.set_pending_commit(dp, None);
                                 rotation.observed_version(dp, &version);
-                                eprintln!("replica dp{dp}: every rank confirmed the decided commit to {version}");
+                                orchestrator_worker::status!(replica = dp, version = version.as_str(); "replica dp{dp}: every rank confirmed the decided commit to {version}");
                             }
                             other => {
                                 tracing::info!(dp, "pending commit to {version} not finished yet: {other:?}");
@@ -228,7 +234,9 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_worker::grp
                     }
                     let attempt = try_reinstate(cluster, rotation, dp, session.update_probe(), Proof::Verified, false);
                     match tokio::time::timeout(limits::REINSTATE_TIMEOUT, attempt).await {
-                        Ok(Ok(v)) => eprintln!("replica dp{dp}: back in rotation on {v} after a passing probe"),
+                        Ok(Ok(v)) => {
+                            orchestrator_worker::status!(replica = dp, version = v.as_str(); "replica dp{dp}: back in rotation on {v} after a passing probe")
+                        }
                         Ok(Err(why)) => tracing::info!(dp, "replica stays out of rotation: {why}"),
                         Err(_) => tracing::warn!(dp, "replica stays out of rotation: its probe took over {:?}", limits::REINSTATE_TIMEOUT),
                     }

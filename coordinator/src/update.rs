@@ -70,9 +70,12 @@ pub fn judge_probe(results: &RankResults<pb::ProbeResult>) -> Result<(String, St
 /// One probe through the rotation. A probe whose ranks fail or disagree (on `y` or on the
 /// version they hold) fails loudly and takes its replica out of rotation; the version counted
 /// is the one the ranks said they probed.
+/// The error of a routed probe when no replica serves.
+pub const NO_REPLICA: &str = "no replica in rotation";
+
 pub async fn routed_probe(cluster: &Cluster, rotation: &Rotation, spec: ProbeSpec) -> pb::RoutedProbeResult {
     let Some(replica) = rotation.pick() else {
-        return pb::RoutedProbeResult { ok: false, replica: 0, checkpoint_version: String::new(), error: "no replica in rotation".into() };
+        return pb::RoutedProbeResult { ok: false, replica: 0, checkpoint_version: String::new(), error: NO_REPLICA.into() };
     };
     let results = cluster.probe_in(Some(replica), (spec.tokens as u32, spec.latents as u32, spec.seed), false, true).await;
     match judge_probe(&results) {
@@ -245,6 +248,13 @@ pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &Mo
     let outcome = roll(cluster, rotation, running, plan).await;
     // The update ended (its end is journaled): the versions kept for its rollback go.
     cluster.release().await;
+    let label = match (outcome.ok, outcome.new_version.is_empty()) {
+        (true, _) => "ok",
+        (false, true) => "refused",
+        (false, false) => "failed",
+    };
+    crate::metrics::metrics().update_ended(label, outcome.seconds);
+    tracing::info!(outcome = label, version = %outcome.new_version, seconds = outcome.seconds, "rolling update ended");
     outcome
 }
 
@@ -325,6 +335,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             _ => true,
         })
         .collect();
+    crate::metrics::metrics().update_started(replicas.len());
     let mut reference_y: Option<String> = None;
     // What the first verified replica proved; the later ones are checked against it.
     let mut verified: Option<VerifiedVersion> = None;
@@ -348,7 +359,9 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             let verification = match r {
                 Err(e) => Err(e.clone()),
                 Ok(staged) => match &reference_y {
-                    Some(r) if *r != staged.y => Err(format!("staged y {} differs from the already verified replicas' {r}", staged.y)),
+                    Some(r) if *r != staged.y => {
+                        Err(fail(VerifyRule::YAgreement, format!("staged y {} differs from the already verified replicas' {r}", staged.y)))
+                    }
                     _ => {
                         reference_y = Some(staged.y.clone());
                         if verified.is_none() {
@@ -358,6 +371,11 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
                     }
                 },
             };
+            if let Err(e) = &verification {
+                tracing::warn!(replica = dp, version = %new_version, rule = e.rule.label(), "staged version failed verification: {}", e.why);
+                crate::metrics::metrics().verification_failed(e.rule.label());
+            }
+            let verification = verification.map_err(|e| e.why);
             let unhealthy: Vec<String> = cluster.down_in(dp).await.into_iter().flatten().map(|(_, why)| why).collect();
             if let Decision::Abort { why } = rollout::decide(verification, &unhealthy) {
                 failure.get_or_insert((dp, why));
@@ -400,6 +418,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             let detail = r.as_ref().map(|s| s.detail.as_str()).unwrap_or_default();
             match status {
                 CommitStatus::Done => {
+                    crate::metrics::metrics().update_replica_done();
                     note(Event::UpdateStep { update, dp, step: Step::Committed });
                     rotation.observed_version(dp, &new_version);
                     let y = r.as_ref().map(|s| s.y.as_str()).unwrap_or_default();
@@ -414,6 +433,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
                             format!("; its probe after the commit failed, out of rotation: {why}")
                         }
                     };
+                    tracing::info!(replica = dp, version = %new_version, commit_s, reinstate_s, "replica swapped to the new version");
                     steps.push(format!(
                         "replica dp{dp}: {detail}; swapped to {new_version} in {commit_s:.2} s, probed back in {reinstate_s:.2} s{back}"
                     ));
@@ -524,6 +544,52 @@ pub struct VerifiedVersion {
     pub digests: BTreeMap<u32, (String, String)>,
 }
 
+/// Which check of a staged replica failed (the `rule` label of
+/// `orchestrator_verification_failures_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VerifyRule {
+    /// A rank could not stage, report or probe (its error is the reason).
+    Unreachable,
+    /// A rank staged or probed another version than the update's.
+    Version,
+    /// A later replica's digests differ from the verified replica's.
+    ReplicaDigests,
+    RoundTrip,
+    /// The probe against the reference is out of tolerance.
+    ProbeTolerance,
+    /// The ranks of the replica, or the replica and the verified ones, disagree on `y`.
+    YAgreement,
+}
+
+impl VerifyRule {
+    pub fn label(self) -> &'static str {
+        match self {
+            VerifyRule::Unreachable => "staged_rank_unreachable",
+            VerifyRule::Version => "staged_version",
+            VerifyRule::ReplicaDigests => "replica_digests",
+            VerifyRule::RoundTrip => "round_trip",
+            VerifyRule::ProbeTolerance => "probe_tolerance",
+            VerifyRule::YAgreement => "replica_y",
+        }
+    }
+}
+
+/// A staged replica that failed verification: the rule and the reason.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("{why}")]
+pub struct VerifyFailure {
+    pub rule: VerifyRule,
+    pub why: String,
+}
+
+fn fail(rule: VerifyRule, why: impl Into<String>) -> VerifyFailure {
+    VerifyFailure { rule, why: why.into() }
+}
+
+fn unreachable_rank(why: &str) -> VerifyFailure {
+    fail(VerifyRule::Unreachable, why)
+}
+
 /// A staged replica that passed: what the update says about it, its `y`, and what it proved.
 struct Staged {
     detail: String,
@@ -538,13 +604,14 @@ async fn stage_and_verify(
     new_version: &str,
     probe: ProbeSpec,
     verified: Option<&VerifiedVersion>,
-) -> Result<Staged, String> {
+) -> Result<Staged, VerifyFailure> {
+    use VerifyRule::*;
     let t = Instant::now();
     let staged = cluster.stage(dp, source).await;
     for (id, r) in &staged {
-        let (_, version) = r.as_ref().map_err(Clone::clone)?;
+        let (_, version) = r.as_ref().map_err(|e| unreachable_rank(e))?;
         if version != new_version {
-            return Err(format!("worker {id} staged version {version}, expected {new_version}"));
+            return Err(fail(Version, format!("worker {id} staged version {version}, expected {new_version}")));
         }
     }
     let stage_s = t.elapsed().as_secs_f64();
@@ -554,29 +621,35 @@ async fn stage_and_verify(
     let report_s = t.elapsed().as_secs_f64();
     let mut digests = BTreeMap::new();
     for r in reports.values() {
-        let r = r.as_ref().map_err(Clone::clone)?;
+        let r = r.as_ref().map_err(|e| unreachable_rank(e))?;
         if r.staged_version != new_version {
-            return Err(format!("rank dp{dp}/tp{} staged version {}, expected {new_version}", r.tp_rank, r.staged_version));
+            return Err(fail(Version, format!("rank dp{dp}/tp{} staged version {}, expected {new_version}", r.tp_rank, r.staged_version)));
         }
         let mine = (r.kernel_rank_digest.clone(), r.source_rank_digest.clone());
         if let Some(v) = verified {
             match v.digests.get(&r.tp_rank) {
                 Some(theirs) if *theirs == mine => {}
                 theirs => {
-                    return Err(format!(
-                        "rank dp{dp}/tp{}: staged kernel/source digests {}/{}, the verified replica dp{}'s tp{} holds {}",
-                        r.tp_rank,
-                        mine.0,
-                        mine.1,
-                        v.dp,
-                        r.tp_rank,
-                        theirs.map(|(k, s)| format!("{k}/{s}")).unwrap_or_else(|| "nothing".into())
+                    return Err(fail(
+                        ReplicaDigests,
+                        format!(
+                            "rank dp{dp}/tp{}: staged kernel/source digests {}/{}, the verified replica dp{}'s tp{} holds {}",
+                            r.tp_rank,
+                            mine.0,
+                            mine.1,
+                            v.dp,
+                            r.tp_rank,
+                            theirs.map(|(k, s)| format!("{k}/{s}")).unwrap_or_else(|| "nothing".into())
+                        ),
                     ));
                 }
             }
         }
         if !r.round_trip_ok {
-            return Err(format!("rank dp{dp}/tp{}: staged round trip failed: {}", r.tp_rank, r.round_trip_failures.join("; ")));
+            return Err(fail(
+                RoundTrip,
+                format!("rank dp{dp}/tp{}: staged round trip failed: {}", r.tp_rank, r.round_trip_failures.join("; ")),
+            ));
         }
         digests.insert(r.tp_rank, mine);
     }
@@ -588,20 +661,23 @@ async fn stage_and_verify(
     let probe_s = t.elapsed().as_secs_f64();
     let mut ys = Vec::new();
     for (id, p) in &probes {
-        let p = p.as_ref().map_err(Clone::clone)?;
+        let p = p.as_ref().map_err(|e| unreachable_rank(e))?;
         if !p.ok {
-            return Err(format!(
-                "worker {id}: staged probe out of tolerance (q differs in {} values, z err {:.3e})",
-                p.q_mismatches, p.z_max_abs_err
+            return Err(fail(
+                ProbeTolerance,
+                format!(
+                    "worker {id}: staged probe out of tolerance (q differs in {} values, z err {:.3e})",
+                    p.q_mismatches, p.z_max_abs_err
+                ),
             ));
         }
         if p.probed_version != new_version {
-            return Err(format!("worker {id} probed version {}, expected {new_version}", p.probed_version));
+            return Err(fail(Version, format!("worker {id} probed version {}, expected {new_version}", p.probed_version)));
         }
         ys.push(p.y_digest.clone());
     }
     if ys.windows(2).any(|w| w[0] != w[1]) {
-        return Err(format!("the ranks of dp{dp} disagree on the staged y: {ys:?}"));
+        return Err(fail(YAgreement, format!("the ranks of dp{dp} disagree on the staged y: {ys:?}")));
     }
     let y = ys.first().cloned().unwrap_or_default();
     let how = match verified {

@@ -52,6 +52,10 @@ pub struct ServeArgs {
     /// Kubernetes' native gRPC probes, which cannot speak TLS.
     #[arg(long, value_name = "ADDR")]
     pub health_listen: Option<std::net::SocketAddr>,
+    /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics: this rank's load
+    /// seconds and bytes by load path, the version it serves, its probes.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 impl ServeArgs {
@@ -92,6 +96,7 @@ impl ServeArgs {
             roots: crate::auth::AllowedRoots::new(&self.allow_root)?,
             coordinator_grace: secs(self.coordinator_grace, "--coordinator-grace")?,
             health_listen: self.health_listen,
+            metrics_listen: self.metrics_listen,
         })
     }
 }

@@ -13,6 +13,8 @@ pub mod golden;
 pub mod grpc;
 pub mod identity;
 pub mod loader;
+pub mod logging;
+pub mod metrics;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod output;

@@ -18,6 +18,9 @@ use orchestrator_worker::{LoadSource, RankReport, load_and_report};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log events (stderr, filtered by RUST_LOG) as text or as JSON, one event per line.
+    #[arg(long, global = true, value_enum, default_value_t, env = "ORCHESTRATOR_LOG_FORMAT")]
+    log_format: orchestrator_worker::logging::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -207,8 +210,8 @@ fn load_on<B: Backend + Sync>(backend: &B, args: &LoadArgs, source: &LoadSource)
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     let cli = Cli::parse();
+    orchestrator_worker::logging::init(cli.log_format);
     let result = match cli.command {
         Command::Load(args) => load(args),
         Command::Serve(args) => args.run().map(|()| true),

@@ -213,7 +213,7 @@ impl WorkerService {
     /// `shadow`: load `reload_from` into fresh shadow buffers beside the active weights
     /// (a staged update) instead of into the active ones.
     fn load_stream(&self, reload_from: Option<LoadSource>, shadow: bool) -> Result<ProgressStream, Status> {
-        let (source, tp, rank, rule, fault, total, dump_dir, epoch) = {
+        let (source, tp, rank, dp_rank, rule, fault, total, dump_dir, epoch) = {
             let mut st = lock(&self.state);
             if shadow {
                 st.stage_epoch += 1;
@@ -237,6 +237,7 @@ impl WorkerService {
                 plan.source.clone(),
                 plan.tp_size,
                 plan.tp_rank,
+                plan.dp_rank,
                 plan.rule,
                 plan.fault,
                 plan.source.config().geometry.layers,
@@ -311,6 +312,16 @@ impl WorkerService {
             match result {
                 Ok(w) => {
                     let version = source.version();
+                    let path = match (shadow, &*source) {
+                        (true, _) => "stage",
+                        (false, LoadSource::Dummy { .. }) => "dummy",
+                        (false, _) => "real",
+                    };
+                    crate::metrics::worker().loaded(dp_rank, rank, path, seconds, w.source_bytes());
+                    tracing::info!(tp_rank = rank, replica = dp_rank, version = %version, path, seconds, bytes = w.source_bytes(), "loaded");
+                    if !shadow {
+                        crate::metrics::worker().serving(dp_rank, rank, &version);
+                    }
                     let mut st = lock(&state);
                     if shadow {
                         if st.stage_epoch != epoch {
@@ -467,6 +478,10 @@ impl Worker for WorkerService {
             st.previous = st.weights.take().zip(replaced);
             st.weights = Some(w);
             st.previous_seconds = std::mem::replace(&mut st.load_seconds, st.shadow_seconds);
+            if let Some(p) = &st.plan {
+                crate::metrics::worker().serving(p.dp_rank, p.tp_rank, &staged);
+                tracing::info!(tp_rank = p.tp_rank, replica = p.dp_rank, version = %staged, "committed the staged version");
+            }
             Ok(pb::CommitResponse {
                 checkpoint_version: staged,
                 generation: st.weights.as_ref().map_or(0, |w| w.generation),
@@ -501,6 +516,9 @@ impl Worker for WorkerService {
                 }
                 st.weights = Some(w);
                 st.load_seconds = st.previous_seconds;
+                if let Some(p) = &st.plan {
+                    crate::metrics::worker().serving(p.dp_rank, p.tp_rank, &p.source.version());
+                }
             }
             Ok(pb::AbortResponse { checkpoint_version: versions_of(st).0 })
         })
@@ -621,6 +639,7 @@ impl Worker for WorkerService {
                     .map_err(|e| Status::internal(format!("probe: {e}")))?;
                 drop(cache);
                 let probed_version = source.version();
+                crate::metrics::worker().probed(plan.dp_rank, plan.tp_rank, &probed_version, p.ok, p.kernel_s + p.reference_s);
                 // The TP all-reduce of y_partial, in rank order.
                 let started = Instant::now();
                 let mut y = p.y_partial.clone();
@@ -734,6 +753,8 @@ pub struct ServeConfig {
     pub tls: Option<crate::tls::TlsFiles>,
     /// Also serve the health statuses in plaintext here (Kubernetes probes).
     pub health_listen: Option<SocketAddr>,
+    /// Serve Prometheus metrics at `http://ADDR/metrics`.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 /// Registers with the coordinator at `coord`, retrying while it cannot be reached (an engine
@@ -779,8 +800,19 @@ async fn register(
 
 /// Serves the worker until shut down (by RPC, by the coordinator going away, or by a signal).
 pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
-    let ServeConfig { listen, advertise, coordinator, placement, join_timeout, token, roots, coordinator_grace, tls, health_listen } =
-        config;
+    let ServeConfig {
+        listen,
+        advertise,
+        coordinator,
+        placement,
+        join_timeout,
+        token,
+        roots,
+        coordinator_grace,
+        tls,
+        health_listen,
+        metrics_listen,
+    } = config;
     let shutdown = Arc::new(Notify::new());
     let signal = crate::grpc::shutdown_signal();
     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| anyhow::anyhow!("binding {listen}: {e}"))?;
@@ -790,6 +822,12 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     if let Some(h) = health_listen {
         let at = health.serve_plaintext(h).await?;
         tracing::info!(%at, "health (plaintext) listening");
+    }
+    if let Some(m) = metrics_listen {
+        let at = crate::metrics::serve(m, Arc::new(|| crate::metrics::worker().render()))
+            .await
+            .map_err(|e| anyhow::anyhow!("--metrics-listen {m}: {e}"))?;
+        tracing::info!(%at, "metrics listening at /metrics");
     }
     let service = WorkerService::with_backend(shutdown.clone(), roots, AnyBackend::from_env()?)
         .with_ring_address(address.ip(), advertise.clone())

@@ -89,6 +89,10 @@ pub struct PlanArgs {
     /// Kubernetes' native gRPC probes, which cannot speak TLS.
     #[arg(long, value_name = "ADDR")]
     health_listen: Option<std::net::SocketAddr>,
+    /// Serve Prometheus metrics (OpenMetrics text) at http://ADDR/metrics: ranks registered
+    /// and up, each replica's version, updates, verification failures, routed probes.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Args)]
@@ -261,6 +265,7 @@ fn resolve(
         tls,
         dump_dir,
         health_listen: a.health_listen,
+        metrics_listen: a.metrics_listen,
     })
 }
 
