@@ -547,30 +547,29 @@ impl Cluster {
             }
         };
         let show = Arc::new(show);
-        self
-            .fan_out(|w, mut client| {
-                let label = w.label();
-                let id = w.id;
-                let show = show.clone();
-                let token = self.token.clone();
-                async move {
-                    let req = orchestrator_worker::auth::request(pb::LoadRequest {}, LOAD_DEADLINE, Some(&token));
-                    let mut stream = client.load(req).await.map_err(|s| format!("{label}: load: {}", s.message()))?.into_inner();
-                    loop {
-                        match stream.message().await {
-                            Ok(Some(p)) => {
-                                show(id, p.layers_done, p.layers_total, p.finished.then_some(p.load_seconds));
-                                if p.finished {
-                                    return Ok(p.load_seconds);
-                                }
+        self.fan_out(|w, mut client| {
+            let label = w.label();
+            let id = w.id;
+            let show = show.clone();
+            let token = self.token.clone();
+            async move {
+                let req = orchestrator_worker::auth::request(pb::LoadRequest {}, LOAD_DEADLINE, Some(&token));
+                let mut stream = client.load(req).await.map_err(|s| format!("{label}: load: {}", s.message()))?.into_inner();
+                loop {
+                    match stream.message().await {
+                        Ok(Some(p)) => {
+                            show(id, p.layers_done, p.layers_total, p.finished.then_some(p.load_seconds));
+                            if p.finished {
+                                return Ok(p.load_seconds);
                             }
-                            Ok(None) => return Err(format!("{label}: load stream ended before the load finished")),
-                            Err(s) => return Err(format!("{label}: load: {}", s.message())),
                         }
+                        Ok(None) => return Err(format!("{label}: load stream ended before the load finished")),
+                        Err(s) => return Err(format!("{label}: load: {}", s.message())),
                     }
                 }
-            })
-            .await
+            }
+        })
+        .await
     }
 
     /// Runs the probe on the ranks of one replica (or all), on their active or staged weights.

@@ -38,6 +38,9 @@ pub struct RankRow {
     pub round_trip_failures: Vec<String>,
     pub probe: Option<ProbeCell>,
     pub load_seconds: f64,
+    /// How the rank's active weights were loaded: `real`, `dummy` or `stage` (empty: unknown).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub load_path: String,
     /// Tensor name -> digest (not printed in the table; used by the rules and `--json`).
     pub kernel_tensors: BTreeMap<String, String>,
     /// Set when the worker failed (exited, stopped answering, or an RPC failed).
@@ -101,6 +104,7 @@ pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: String) -> RankRow {
         round_trip_failures: Vec::new(),
         probe: None,
         load_seconds: 0.0,
+        load_path: String::new(),
         kernel_tensors: BTreeMap::new(),
         failure: Some(failure),
         probe_error: None,
@@ -131,6 +135,7 @@ pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> 
         round_trip_failures: r.round_trip_failures.clone(),
         probe: probe.map(ProbeCell::from),
         load_seconds: r.load_seconds,
+        load_path: r.load_path.clone(),
         kernel_tensors: r.kernel_tensors.iter().map(|t| (t.name.clone(), t.digest.clone())).collect(),
         failure: None,
         probe_error: None,

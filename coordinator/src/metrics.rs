@@ -153,14 +153,8 @@ impl Metrics {
     pub fn rows(&self, rows: &[RankRow]) {
         self.rank_load_seconds.clear();
         for r in rows.iter().filter(|r| r.failure.is_none()) {
-            let path = if r.load_format.contains("dummy") {
-                "dummy"
-            } else if !r.previous_version.is_empty() || r.load_format.contains("stage") {
-                "stage"
-            } else {
-                "real"
-            };
-            let labels = RankLabels { replica: r.dp.to_string(), tp_rank: r.tp.to_string(), host: r.host.clone(), path: path.to_string() };
+            let labels =
+                RankLabels { replica: r.dp.to_string(), tp_rank: r.tp.to_string(), host: r.host.clone(), path: r.load_path.clone() };
             self.rank_load_seconds.get_or_create(&labels).set(r.load_seconds);
         }
     }

@@ -68,6 +68,9 @@ struct State {
     load_seconds: f64,
     shadow_seconds: f64,
     previous_seconds: f64,
+    /// How the active weights were loaded (`real`, `dummy`, `stage`), and the kept version's.
+    load_path: &'static str,
+    previous_path: &'static str,
 }
 
 /// The worker service.
@@ -334,6 +337,7 @@ impl WorkerService {
                     } else {
                         st.weights = Some(w);
                         st.load_seconds = seconds;
+                        st.load_path = path;
                         if let Some(p) = st.plan.as_mut() {
                             p.source = source;
                         }
@@ -478,6 +482,7 @@ impl Worker for WorkerService {
             st.previous = st.weights.take().zip(replaced);
             st.weights = Some(w);
             st.previous_seconds = std::mem::replace(&mut st.load_seconds, st.shadow_seconds);
+            st.previous_path = std::mem::replace(&mut st.load_path, "stage");
             if let Some(p) = &st.plan {
                 crate::metrics::worker().serving(p.dp_rank, p.tp_rank, &staged);
                 tracing::info!(tp_rank = p.tp_rank, replica = p.dp_rank, version = %staged, "committed the staged version");
@@ -516,6 +521,7 @@ impl Worker for WorkerService {
                 }
                 st.weights = Some(w);
                 st.load_seconds = st.previous_seconds;
+                st.load_path = st.previous_path;
                 if let Some(p) = &st.plan {
                     crate::metrics::worker().serving(p.dp_rank, p.tp_rank, &p.source.version());
                 }
@@ -607,6 +613,7 @@ impl Worker for WorkerService {
                     generation: w.generation,
                     staged_version: versions_of(&st).1,
                     previous_version: st.previous.as_ref().map(|(_, s)| s.version()).unwrap_or_default(),
+                    load_path: if shadow { "stage".into() } else { st.load_path.into() },
                 }))
             };
             // The round trip of a staged version is background work too.

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The Python tests (tests/python): /metrics parsed by Prometheus' own Python parsers during a
+# rolling update, the Grafana dashboard's queries, JSON logs. They run the real binaries from
+# ORCHESTRATOR_BIN_DIR (default target/debug; build them first), in a venv of their own.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=target/venv-py
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+"$venv/bin/pip" install -q --disable-pip-version-check "prometheus_client==0.26.*" "pytest==9.*"
+cargo build --workspace -q
+export ORCHESTRATOR_BIN_DIR="${ORCHESTRATOR_BIN_DIR:-$PWD/target/debug}"
+exec "$venv/bin/python" -m pytest -q tests/python "$@"
