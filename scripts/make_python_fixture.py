@@ -26,6 +26,10 @@ Run (from the repository root):
     python3 scripts/make_python_fixture.py --self-test    # only the spec asserts
     python3 scripts/make_python_fixture.py --expected DIR [--tp 1 2] [--rules rceil floor]
         # print the expected.json document for ANY checkpoint directory (e.g. one written by Rust)
+    python3 scripts/make_python_fixture.py --dump OUT --checkpoint DIR --tp 2 --rank 0 \
+        [--layout permutation_skipped] [--rules floor] [--as-rank 1]
+        # write OUT/rank0.safetensors as an engine would dump its kernel tensors, in the expected
+        # layout or a known wrong one (--as-rank 1: rank 1's tensors under rank 0's name)
 
 Output is deterministic (fixed seeds), so `--check` must report no difference.
 """
@@ -503,7 +507,15 @@ def _entry(dtype: str, shape: list[int], data: bytes) -> dict:
     return {"dtype": dtype, "shape": [int(x) for x in shape], "xxh3": xxh3_hex(data)}
 
 
-def expected_case(ck: Checkpoint, tp: int, rank: int, rule: str) -> dict:
+LAYOUTS = ("expected", "permutation_skipped", "permuted_twice", "scales_not_swizzled", "scales_not_packed")
+
+
+def expected_case(ck: Checkpoint, tp: int, rank: int, rule: str, layout: str = "expected",
+                  tensors: dict | None = None) -> dict:
+    """The kernel tensors of one rank. `layout` other than "expected" reproduces a known loader
+    bug (permutation skipped or applied twice, scales left per-row instead of swizzled or
+    packed); `tensors`, when given, receives name -> (dtype, shape, numpy bytes) for dumps."""
+    assert layout in LAYOUTS, layout
     g = ck.geom
     D, K = HEAD_DIM, g["q_lora_rank"]
     H, G, OL, hidden = g["num_attention_heads"], g["o_groups"], g["o_lora_rank"], g["hidden_size"]
@@ -530,6 +542,22 @@ def expected_case(ck: Checkpoint, tp: int, rank: int, rule: str) -> dict:
     kernel: dict[str, dict] = {}
     source: dict[str, str] = {}
     wdt = "F8_E4M3" if fp8 else "BF16"
+
+    def entry(name: str, dtype: str, shape, arr: np.ndarray) -> None:
+        data = np.ascontiguousarray(arr).tobytes()
+        kernel[name] = _entry(dtype, list(shape), data)
+        if tensors is not None:
+            tensors[name] = (dtype, [int(x) for x in shape], np.frombuffer(data, dtype=np.uint8))
+
+    def permute_rows(a: np.ndarray, perm: np.ndarray) -> np.ndarray:
+        if layout == "permutation_skipped":
+            return a
+        return a[perm][perm] if layout == "permuted_twice" else a[perm]
+
+    def permute_cols(a: np.ndarray, perm: np.ndarray) -> np.ndarray:
+        if layout == "permutation_skipped":
+            return a
+        return a[:, perm][:, perm] if layout == "permuted_twice" else a[:, perm]
 
     def load_weight(name, shape, rows, cols, scale_shape):
         """Returns (E4M3 bytes of the rank's slice, per-row scale of the slice)."""
@@ -562,29 +590,29 @@ def expected_case(ck: Checkpoint, tp: int, rank: int, rule: str) -> dict:
         p = f"layers.{i}.attn."
         # wq_b: rows by heads, Q row permutation
         w, sc = load_weight(p + "wq_b", [H * D, K], q_rows, slice(None), [H * D // 32, K // 32])
-        wf, scf = w[qperm], sc[qperm]
-        kernel[p + "wq_b.weight"] = _entry("F8_E4M3", wf.shape, wf.tobytes())
-        sw = swizzle_128x4(scf)
-        kernel[p + "wq_b.weight_scale"] = _entry("F8_E8M0", [sw.size], sw.tobytes())
+        wf, scf = permute_rows(w, qperm), permute_rows(sc, qperm)
+        entry(p + "wq_b.weight", "F8_E4M3", wf.shape, wf)
+        sw = scf.reshape(-1) if layout == "scales_not_swizzled" else swizzle_128x4(scf)
+        entry(p + "wq_b.weight_scale", "F8_E8M0", [sw.size], sw)
         # wo_a: rows by groups, O column permutation, packed scales
         w, sc = load_weight(p + "wo_a", [G * OL, wo_a_k], a_rows, slice(None), [G * OL // 32, wo_a_k // 32])
-        wf = w[:, operm].reshape(g_local, OL, wo_a_k)
-        kernel[p + "wo_a.weight"] = _entry("F8_E4M3", wf.shape, wf.tobytes())
-        scf = sc[:, ochunk]
-        packed = pack_wo_a_scale(scf, g_local, OL)
-        kernel[p + "wo_a.weight_scale"] = _entry("I32", [g_local, wo_a_k // 32 // 4, OL], packed.tobytes())
+        wf = permute_cols(w, operm).reshape(g_local, OL, wo_a_k)
+        entry(p + "wo_a.weight", "F8_E4M3", wf.shape, wf)
+        scf = permute_cols(sc, ochunk)
+        packed = np.ascontiguousarray(scf).reshape(-1) if layout == "scales_not_packed" else pack_wo_a_scale(scf, g_local, OL)
+        entry(p + "wo_a.weight_scale", "I32", [g_local, wo_a_k // 32 // 4, OL], packed)
         # wo_b: columns by groups, unpermuted
         w, sc = load_weight(p + "wo_b", [hidden, G * OL], slice(None), b_cols, [hidden // 32, G * OL // 32])
-        kernel[p + "wo_b.weight"] = _entry("F8_E4M3", w.shape, w.tobytes())
-        sw = swizzle_128x4(sc)
-        kernel[p + "wo_b.weight_scale"] = _entry("F8_E8M0", [sw.size], sw.tobytes())
+        entry(p + "wo_b.weight", "F8_E4M3", w.shape, w)
+        sw = np.ascontiguousarray(sc).reshape(-1) if layout == "scales_not_swizzled" else swizzle_128x4(sc)
+        entry(p + "wo_b.weight_scale", "F8_E8M0", [sw.size], sw)
         # attn_sink: the rank's heads
         dt, sink = ck.get(p + "attn_sink")
         if dt != "F32" or list(sink.shape) != [H]:
             raise ValueError(f"{p}attn_sink: {dt} {list(sink.shape)}")
         sl = np.ascontiguousarray(sink[heads]).astype("<f4")
         source[p + "attn_sink"] = xxh3_hex(sl.tobytes())
-        kernel[p + "attn_sink"] = _entry("F32", [h_local], sl.tobytes())
+        entry(p + "attn_sink", "F32", [h_local], sl)
 
     return {
         "tp": tp,
@@ -870,6 +898,16 @@ def generate(fixtures: Path) -> dict[Path, dict]:
     return docs
 
 
+def write_dump(out: Path, checkpoint: Path, tp: int, rank: int, rule: str, layout: str, as_rank: int | None) -> Path:
+    """OUT/rank{rank}.safetensors with the kernel tensors of `as_rank` (default: `rank`)."""
+    tensors: dict = {}
+    expected_case(Checkpoint(checkpoint), tp, rank if as_rank is None else as_rank, rule, layout, tensors)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"rank{rank}.safetensors"
+    write_safetensors(path, {name: (dtype, shape, data) for name, (dtype, shape, data) in tensors.items()})
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fixtures", type=Path, default=FIXTURES, help="output folder (default tests/fixtures)")
@@ -878,7 +916,17 @@ def main() -> int:
     ap.add_argument("--expected", type=Path, metavar="DIR", help="print expected.json for checkpoint DIR")
     ap.add_argument("--tp", type=int, nargs="+", help="with --expected: TP sizes (default: all valid)")
     ap.add_argument("--rules", nargs="+", choices=["rceil", "floor"], help="with --expected: scale rules")
+    ap.add_argument("--dump", type=Path, metavar="OUT", help="write OUT/rank{R}.safetensors (see --checkpoint, --rank)")
+    ap.add_argument("--checkpoint", type=Path, help="with --dump: the checkpoint directory")
+    ap.add_argument("--rank", type=int, default=0, help="with --dump: the rank")
+    ap.add_argument("--layout", choices=LAYOUTS, default="expected", help="with --dump: the kernel layout")
+    ap.add_argument("--as-rank", type=int, help="with --dump: write this rank's tensors instead")
     args = ap.parse_args()
+    if args.dump:
+        tp = (args.tp or [1])[0]
+        rule = (args.rules or ["rceil"])[0]
+        print(write_dump(args.dump, args.checkpoint, tp, args.rank, rule, args.layout, args.as_rank))
+        return 0
 
     self_test()
     if args.self_test:

@@ -8,7 +8,7 @@ venv=target/venv-py
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
-"$venv/bin/pip" install -q --disable-pip-version-check "prometheus_client==0.26.*" "pytest==9.*"
+"$venv/bin/pip" install -q --disable-pip-version-check "prometheus_client==0.26.*" "pytest==9.*" numpy ml_dtypes xxhash safetensors
 cargo build --workspace -q
 export ORCHESTRATOR_BIN_DIR="${ORCHESTRATOR_BIN_DIR:-$PWD/target/debug}"
 exec "$venv/bin/python" -m pytest -q tests/python "$@"

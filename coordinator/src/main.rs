@@ -72,6 +72,11 @@ enum Command {
     /// Checkpoint tools.
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
+    /// Check dumped ranks of any engine (`rank{R}.safetensors` with the kernel tensors under
+    /// their parameter names) against a manifest; a tensor that differs is named with its most
+    /// likely cause (permutation skipped or doubled, scales not swizzled or packed, the other
+    /// scale rule, another rank's shard). Exit code 0 only when every tensor matches.
+    VerifyDump(cli::manifest::VerifyDumpArgs),
     /// TLS for clusters that listen beyond loopback.
     #[command(subcommand)]
     Tls(TlsCommand),
@@ -212,6 +217,10 @@ enum CheckpointCommand {
     Synth(SynthArgs),
     /// Print geometry, tensors and sizes, and validate every in-scope tensor.
     Inspect(InspectArgs),
+    /// Every TP rank's expected kernel tensors (dtype, shape, XXH3-64), rank digests and layout
+    /// identity, computed with the independent golden path, plus each tensor's digests in the
+    /// known wrong layouts: what `verify-dump` checks an engine's ranks against.
+    Manifest(cli::manifest::ManifestArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -493,6 +502,8 @@ fn main() -> ExitCode {
         Command::WorkerServe(a) => a.run().map(|()| true),
         Command::Checkpoint(CheckpointCommand::Synth(a)) => synth(a),
         Command::Checkpoint(CheckpointCommand::Inspect(a)) => inspect_cmd(a),
+        Command::Checkpoint(CheckpointCommand::Manifest(a)) => cli::manifest::manifest_cmd(a),
+        Command::VerifyDump(a) => cli::manifest::verify_dump_cmd(a),
     };
     orchestrator_worker::output::exit_code(result)
 }

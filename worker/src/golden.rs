@@ -70,6 +70,37 @@ impl std::fmt::Display for GoldenMismatch {
     }
 }
 
+/// The kernel layout the golden path computes: the expected one, or one of the wrong layouts
+/// that known loader bugs produce (what `verify-dump` compares a differing tensor with).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layout {
+    Expected,
+    /// `wq_b` rows and `wo_a` columns (and their scales) left in checkpoint order.
+    PermutationSkipped,
+    /// The permutations applied twice (a reload that permuted already permuted weights).
+    PermutedTwice,
+    /// `wq_b` / `wo_b` scales left as plain per-row `[M, K/32]` bytes, not F8_128x4.
+    ScalesNotSwizzled,
+    /// `wo_a` scales left as plain per-row `[g*1024, K/32]` bytes, not DeepGEMM packed UE8M0.
+    ScalesNotPacked,
+}
+
+impl Layout {
+    /// The wrong layouts, in the order a diagnosis tries them.
+    pub const WRONG: [Layout; 4] = [Layout::PermutationSkipped, Layout::PermutedTwice, Layout::ScalesNotSwizzled, Layout::ScalesNotPacked];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Expected => "expected",
+            Layout::PermutationSkipped => "permutation_skipped",
+            Layout::PermutedTwice => "permuted_twice",
+            Layout::ScalesNotSwizzled => "scales_not_swizzled",
+            Layout::ScalesNotPacked => "scales_not_packed",
+        }
+    }
+}
+
 /// Kernel-visible tensor digests of one rank, recomputed plainly: (kernel parameter name,
 /// digest), sorted by name (byte order).
 pub fn golden_kernel_digests(
@@ -78,12 +109,41 @@ pub fn golden_kernel_digests(
     rank: usize,
     rule: ScaleRule,
 ) -> Result<Vec<(String, Digest)>, LoadError> {
+    Ok(golden_kernel_tensors_as(source, tp_size, rank, rule, Layout::Expected)?.into_iter().map(|(n, _, _, d)| (n, d)).collect())
+}
+
+/// Every kernel-visible tensor of one rank in `layout`: (name, dtype, shape, digest), sorted by
+/// name (byte order).
+pub fn golden_kernel_tensors_as(
+    source: &LoadSource,
+    tp_size: usize,
+    rank: usize,
+    rule: ScaleRule,
+    layout: Layout,
+) -> Result<Vec<(String, &'static str, Vec<usize>, Digest)>, LoadError> {
     let plan = RankPlan::new(source.config(), tp_size, rank)?;
     // Layers are independent; each keeps its bytes only until they are hashed.
-    let per_layer: Vec<Vec<(String, Digest)>> = (0..plan.layers)
+    let per_layer: Vec<Vec<_>> = (0..plan.layers)
         .into_par_iter()
-        .map(|layer| Ok(plan.layer(source, layer, rule)?.into_iter().map(|t| (t.name.clone(), t.digest())).collect()))
+        .map(|layer| {
+            Ok(plan
+                .layer(source, layer, rule, layout)?
+                .into_iter()
+                .map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.digest()))
+                .collect())
+        })
         .collect::<Result<_, LoadError>>()?;
+    let mut all: Vec<_> = per_layer.into_iter().flatten().collect();
+    all.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    Ok(all)
+}
+
+/// The digests of the rank's slices of checkpoint bytes as stored (spec section 9's source
+/// digests), by checkpoint tensor name, sorted by name.
+pub fn golden_source_digests(source: &LoadSource, tp_size: usize, rank: usize) -> Result<Vec<(String, Digest)>, LoadError> {
+    let plan = RankPlan::new(source.config(), tp_size, rank)?;
+    let per_layer: Vec<Vec<(String, Digest)>> =
+        (0..plan.layers).into_par_iter().map(|layer| plan.source_slices(source, layer)).collect::<Result<_, LoadError>>()?;
     let mut all: Vec<(String, Digest)> = per_layer.into_iter().flatten().collect();
     all.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
     Ok(all)
@@ -106,7 +166,7 @@ pub fn golden_layer_tensors(
     if layer >= plan.layers {
         return Err(LoadError::Config(format!("layer {layer} is outside 0..{}", plan.layers)));
     }
-    plan.layer(source, layer, rule)
+    plan.layer(source, layer, rule, Layout::Expected)
 }
 
 /// Spec section 9's rank digest, written out: XXH3-64 of the UTF-8 lines `"{name} {hex}\n"`
@@ -237,8 +297,40 @@ impl RankPlan {
         HEADS_PER_GROUP * self.head_dim
     }
 
-    /// Every kernel tensor of one layer, sorted by name.
-    fn layer(&self, source: &LoadSource, layer: usize, rule: ScaleRule) -> Result<Vec<GoldenTensor>, LoadError> {
+    /// The rank's slices of one layer's checkpoint tensors as stored, hashed: (checkpoint
+    /// name, digest).
+    fn source_slices(&self, source: &LoadSource, layer: usize) -> Result<Vec<(String, Digest)>, LoadError> {
+        let mut out = Vec::new();
+        let matrices = [
+            (Param::WqB, "wq_b", [self.heads * self.head_dim, self.q_lora], self.q_rows(), 0..self.q_lora),
+            (Param::WoA, "wo_a", [self.groups * self.o_lora, self.o_cols()], self.o_rows(), 0..self.o_cols()),
+            (Param::WoB, "wo_b", [self.hidden, self.groups * self.o_lora], 0..self.hidden, self.o_rows()),
+        ];
+        for (param, short, shape, rows, cols) in matrices {
+            let wname = format!("layers.{layer}.attn.{short}.weight");
+            match self.format {
+                WeightFormat::Fp8 { block: [bm, bk] } => {
+                    let wspec = tensor_spec(wname.clone(), layer, param, Part::Weight, Dtype::F8_E4M3, shape.to_vec());
+                    out.push((wname, Digest::of(&read_exact(source, &wspec, rows.clone(), cols.clone(), 1)?.0)));
+                    let sname = format!("layers.{layer}.attn.{short}.scale");
+                    let sspec = tensor_spec(sname.clone(), layer, param, Part::Scale, Dtype::F8_E8M0, vec![shape[0] / bm, shape[1] / bk]);
+                    let (brows, bcols) = (rows.start / bm..rows.end / bm, cols.start / bk..cols.end / bk);
+                    out.push((sname, Digest::of(&read_exact(source, &sspec, brows, bcols, 1)?.0)));
+                }
+                WeightFormat::Bf16 => {
+                    let wspec = tensor_spec(wname.clone(), layer, param, Part::Weight, Dtype::BF16, shape.to_vec());
+                    out.push((wname, Digest::of(&read_exact(source, &wspec, rows, cols, 2)?.0)));
+                }
+            }
+        }
+        let sink_name = format!("layers.{layer}.attn.attn_sink");
+        let spec = tensor_spec(sink_name.clone(), layer, Param::AttnSink, Part::Weight, Dtype::F32, vec![self.heads]);
+        out.push((sink_name, Digest::of(&read_exact(source, &spec, 0..1, self.head0..self.head0 + self.local_heads, 4)?.0)));
+        Ok(out)
+    }
+
+    /// Every kernel tensor of one layer in `layout`, sorted by name.
+    fn layer(&self, source: &LoadSource, layer: usize, rule: ScaleRule, layout: Layout) -> Result<Vec<GoldenTensor>, LoadError> {
         let name = |p: &str, part: &str| format!("layers.{layer}.attn.{p}.{part}");
         let mut out = Vec::with_capacity(7);
 
@@ -246,8 +338,15 @@ impl RankPlan {
         // rows alike), then the F8_128x4 swizzle of the scale.
         let (n, k) = (self.local_heads * self.head_dim, self.q_lora);
         let (w, s) = self.per_row(source, layer, Param::WqB, [self.heads * self.head_dim, k], self.q_rows(), 0..k, rule)?;
-        let (fw, fs) = fuse_q(&w, &s, self.local_heads, self.head_dim, k);
-        let sw = swizzle_128x4(&fs, n, k / MX_BLOCK);
+        let (fw, fs) = match layout {
+            Layout::PermutationSkipped => (w, s),
+            Layout::PermutedTwice => {
+                let (w1, s1) = fuse_q(&w, &s, self.local_heads, self.head_dim, k);
+                fuse_q(&w1, &s1, self.local_heads, self.head_dim, k)
+            }
+            _ => fuse_q(&w, &s, self.local_heads, self.head_dim, k),
+        };
+        let sw = if layout == Layout::ScalesNotSwizzled { fs } else { swizzle_128x4(&fs, n, k / MX_BLOCK) };
         out.push(GoldenTensor { name: name("wq_b", "weight"), dtype: "F8_E4M3", shape: vec![n, k], bytes: fw });
         out.push(GoldenTensor { name: name("wq_b", "weight_scale"), dtype: "F8_E8M0", shape: vec![sw.len()], bytes: sw });
 
@@ -255,9 +354,16 @@ impl RankPlan {
         // (and the chunk permutation of its per-32 scale columns), then the packed UE8M0.
         let (rows, k) = (self.local_groups * self.o_lora, self.o_cols());
         let (w, s) = self.per_row(source, layer, Param::WoA, [self.groups * self.o_lora, k], self.o_rows(), 0..k, rule)?;
-        let (fw, fs) = fuse_o(&w, &s, rows, self.head_dim);
+        let (fw, fs) = match layout {
+            Layout::PermutationSkipped => (w, s),
+            Layout::PermutedTwice => {
+                let (w1, s1) = fuse_o(&w, &s, rows, self.head_dim);
+                fuse_o(&w1, &s1, rows, self.head_dim)
+            }
+            _ => fuse_o(&w, &s, rows, self.head_dim),
+        };
         let c = k / MX_BLOCK;
-        let packed = pack_ue8m0(&fs, self.local_groups, self.o_lora, c);
+        let packed = if layout == Layout::ScalesNotPacked { fs } else { pack_ue8m0(&fs, self.local_groups, self.o_lora, c) };
         out.push(GoldenTensor {
             name: name("wo_a", "weight"),
             dtype: "F8_E4M3",
@@ -275,7 +381,7 @@ impl RankPlan {
         let k = self.local_groups * self.o_lora;
         let (w, s) =
             self.per_row(source, layer, Param::WoB, [self.hidden, self.groups * self.o_lora], 0..self.hidden, self.o_rows(), rule)?;
-        let sw = swizzle_128x4(&s, self.hidden, k / MX_BLOCK);
+        let sw = if layout == Layout::ScalesNotSwizzled { s } else { swizzle_128x4(&s, self.hidden, k / MX_BLOCK) };
         out.push(GoldenTensor { name: name("wo_b", "weight"), dtype: "F8_E4M3", shape: vec![self.hidden, k], bytes: w });
         out.push(GoldenTensor { name: name("wo_b", "weight_scale"), dtype: "F8_E8M0", shape: vec![sw.len()], bytes: sw });
 

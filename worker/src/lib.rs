@@ -14,6 +14,7 @@ pub mod grpc;
 pub mod identity;
 pub mod loader;
 pub mod logging;
+pub mod manifest;
 pub mod metrics;
 #[cfg(feature = "cuda")]
 pub mod nccl;

@@ -4,3 +4,4 @@
 pub mod bench;
 pub mod launch;
 pub mod load;
+pub mod manifest;
