@@ -101,6 +101,15 @@ impl Layout {
     }
 }
 
+/// One kernel tensor as the golden path computed it, without its bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GoldenDigest {
+    pub name: String,
+    pub dtype: &'static str,
+    pub shape: Vec<usize>,
+    pub digest: Digest,
+}
+
 /// Kernel-visible tensor digests of one rank, recomputed plainly: (kernel parameter name,
 /// digest), sorted by name (byte order).
 pub fn golden_kernel_digests(
@@ -109,18 +118,17 @@ pub fn golden_kernel_digests(
     rank: usize,
     rule: ScaleRule,
 ) -> Result<Vec<(String, Digest)>, LoadError> {
-    Ok(golden_kernel_tensors_as(source, tp_size, rank, rule, Layout::Expected)?.into_iter().map(|(n, _, _, d)| (n, d)).collect())
+    Ok(golden_kernel_tensors_as(source, tp_size, rank, rule, Layout::Expected)?.into_iter().map(|t| (t.name, t.digest)).collect())
 }
 
-/// Every kernel-visible tensor of one rank in `layout`: (name, dtype, shape, digest), sorted by
-/// name (byte order).
+/// Every kernel-visible tensor of one rank in `layout`, sorted by name (byte order).
 pub fn golden_kernel_tensors_as(
     source: &LoadSource,
     tp_size: usize,
     rank: usize,
     rule: ScaleRule,
     layout: Layout,
-) -> Result<Vec<(String, &'static str, Vec<usize>, Digest)>, LoadError> {
+) -> Result<Vec<GoldenDigest>, LoadError> {
     let plan = RankPlan::new(source.config(), tp_size, rank)?;
     // Layers are independent; each keeps its bytes only until they are hashed.
     let per_layer: Vec<Vec<_>> = (0..plan.layers)
@@ -133,8 +141,8 @@ pub fn golden_kernel_tensors_as(
                 .collect())
         })
         .collect::<Result<_, LoadError>>()?;
-    let mut all: Vec<_> = per_layer.into_iter().flatten().collect();
-    all.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    let mut all: Vec<GoldenDigest> = per_layer.into_iter().flatten().collect();
+    all.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
     Ok(all)
 }
 

@@ -20,7 +20,7 @@ use orchestrator_kernels::{Digest, ScaleRule};
 use orchestrator_model::{RankShard, WeightFormat};
 use serde::{Deserialize, Serialize};
 
-use crate::golden::{Layout, golden_kernel_tensors_as, golden_source_digests, rank_digest_of};
+use crate::golden::{GoldenDigest, Layout, golden_kernel_tensors_as, golden_source_digests, rank_digest_of};
 use crate::identity::LayoutIdentity;
 use crate::loader::LoadError;
 use crate::source::LoadSource;
@@ -103,7 +103,7 @@ pub fn build(source: &LoadSource, checkpoint: &str, tp_size: usize, rule: ScaleR
     for rank in 0..tp_size {
         let shard = RankShard::new(&config.geometry, tp_size, rank).map_err(LoadError::from)?;
         let expected = golden_kernel_tensors_as(source, tp_size, rank, rule, Layout::Expected)?;
-        let mut variants: Vec<(String, Vec<(String, &'static str, Vec<usize>, Digest)>)> = Vec::new();
+        let mut variants: Vec<(String, Vec<GoldenDigest>)> = Vec::new();
         for layout in Layout::WRONG {
             variants.push((layout.name().to_string(), golden_kernel_tensors_as(source, tp_size, rank, rule, layout)?));
         }
@@ -112,18 +112,19 @@ pub fn build(source: &LoadSource, checkpoint: &str, tp_size: usize, rule: ScaleR
             variants.push(("other_scale_rule".to_string(), other));
         }
         let mut kernel = BTreeMap::new();
-        for (i, (name, dtype, shape, digest)) in expected.iter().enumerate() {
+        for (i, t) in expected.iter().enumerate() {
             let wrong = variants
                 .iter()
                 .filter_map(|(what, tensors)| {
-                    let (n, _, _, d) = &tensors[i];
-                    debug_assert_eq!(n, name);
-                    (d != digest).then(|| (what.clone(), d.hex()))
+                    let other = &tensors[i];
+                    debug_assert_eq!(other.name, t.name);
+                    (other.digest != t.digest).then(|| (what.clone(), other.digest.hex()))
                 })
                 .collect();
-            kernel.insert(name.clone(), ExpectedTensor { dtype: dtype.to_string(), shape: shape.clone(), xxh3: digest.hex(), wrong });
+            kernel
+                .insert(t.name.clone(), ExpectedTensor { dtype: t.dtype.to_string(), shape: t.shape.clone(), xxh3: t.digest.hex(), wrong });
         }
-        let digests: Vec<(String, Digest)> = expected.iter().map(|(n, _, _, d)| (n.clone(), *d)).collect();
+        let digests: Vec<(String, Digest)> = expected.iter().map(|t| (t.name.clone(), t.digest)).collect();
         let sources = golden_source_digests(source, tp_size, rank)?;
         ranks.push(RankManifest {
             tp_rank: rank,
