@@ -137,7 +137,7 @@ pub fn golden_kernel_tensors_as(
             Ok(plan
                 .layer(source, layer, rule, layout)?
                 .into_iter()
-                .map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.digest()))
+                .map(|t| GoldenDigest { digest: t.digest(), name: t.name, dtype: t.dtype, shape: t.shape })
                 .collect())
         })
         .collect::<Result<_, LoadError>>()?;
