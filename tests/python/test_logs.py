@@ -3,7 +3,7 @@ event, and the load events carry rank, replica and version fields."""
 
 import json
 
-from conftest import run, synth
+from harness import run, synth
 
 
 def test_json_logs_are_one_event_per_line_with_rank_replica_and_version(tmp_path):

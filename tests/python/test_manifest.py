@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run
+from harness import ROOT, bin_path, run
 
 FIXTURES = ROOT / "tests" / "fixtures"
 FP8 = FIXTURES / "python-v41-micro-fp8"
@@ -97,7 +97,7 @@ def test_dumps_in_the_expected_layout_pass_from_python_and_from_our_loader(tmp_p
         python_dump(tmp_path / "py", FP8, 2, rank)
     code, v = verify(tmp_path / "py", mfile)
     assert code == 0 and v["ok"] and [r["tp_rank"] for r in v["ranks"]] == [0, 1], v
-    subprocess.run([str(Path(run.__globals__["bin_path"]("orchestrator-worker"))), "load", "--checkpoint", str(FP8), "--tp", "2",
+    subprocess.run([bin_path("orchestrator-worker"), "load", "--checkpoint", str(FP8), "--tp", "2",
                     "--dump", str(tmp_path / "ours"), "--brief"], check=True, capture_output=True)
     code, v = verify(tmp_path / "ours", mfile)
     assert code == 0 and v["ok"], v

@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_prometheus_text
 
-from conftest import eventually, synth
+from harness import eventually, synth
 
 
 # Every series name the tests scraped (the dashboard test checks its queries against them).

@@ -1,0 +1,29 @@
+"""Python client of an orchestrator cluster (see `Cluster`)."""
+
+from .client import Cluster
+from .errors import (
+    CoordinatorUnavailable,
+    NotServing,
+    OrchestratorError,
+    RankLost,
+    Unauthenticated,
+    UpdateFailed,
+    UpdateRefused,
+)
+from .types import ProbeLoad, RankRow, Report, Rule, UpdateOutcome
+
+__all__ = [
+    "Cluster",
+    "CoordinatorUnavailable",
+    "NotServing",
+    "OrchestratorError",
+    "ProbeLoad",
+    "RankLost",
+    "RankRow",
+    "Report",
+    "Rule",
+    "Unauthenticated",
+    "UpdateFailed",
+    "UpdateOutcome",
+    "UpdateRefused",
+]

@@ -1,0 +1,1 @@
+"""Generated from proto/orchestrator.proto with grpcio-tools when the package is built (setup.py)."""

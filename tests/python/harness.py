@@ -1,0 +1,107 @@
+"""The harness of the Python tests (tests/python and python/tests): helpers that run the real binaries: a served cluster started with `orchestrator launch
+--serve`, scraped and driven as an operator would. `ORCHESTRATOR_BIN_DIR` names the directory
+of `orchestrator` and `orchestrator-worker` (default: the workspace's target/debug)."""
+
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN_DIR = Path(os.environ.get("ORCHESTRATOR_BIN_DIR", ROOT / "target" / "debug"))
+
+
+def bin_path(name: str) -> str:
+    path = BIN_DIR / name
+    if not path.exists():
+        pytest.fail(f"{path} is missing: build the workspace first (cargo build --workspace)")
+    return str(path)
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([bin_path("orchestrator"), *args], capture_output=True, text=True, timeout=300)
+    if check and result.returncode != 0:
+        raise AssertionError(f"orchestrator {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def synth(out: Path, seed: int) -> Path:
+    run("checkpoint", "synth", "--out", str(out), "--preset", "tiny", "--layers", "2", "--seed", str(seed))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """`orchestrator launch --serve ...` until it announces the cluster; stopped on close."""
+
+    ANNOUNCE = re.compile(r"serving: `orchestrator report --coordinator (\S+) --token-file (\S+)`")
+
+    def __init__(self, *args: str):
+        self.metrics_port = free_port()
+        cmd = [bin_path("orchestrator"), "launch", "--serve", "--metrics-listen", f"127.0.0.1:{self.metrics_port}", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.stderr: list[str] = []
+        self.coordinator = self.token_file = None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+            m = self.ANNOUNCE.search(line)
+            if m:
+                self.coordinator, self.token_file = m.group(1), m.group(2)
+                break
+        if self.coordinator is None:
+            self.proc.kill()
+            raise AssertionError("the cluster did not come up:\n" + "".join(self.stderr))
+        threading.Thread(target=lambda: [self.stderr.append(line) for line in self.proc.stderr], daemon=True).start()
+
+    def cli(self, verb: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return run(verb, "--coordinator", self.coordinator, "--token-file", self.token_file, *args, check=check)
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("application/openmetrics-text"), r.headers["Content-Type"]
+            return r.read().decode()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.cli("shutdown", check=False)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture
+def served_factory():
+    """Starts served clusters; shuts them down after the test."""
+    clusters: list[Served] = []
+
+    def start(*args: str) -> Served:
+        c = Served(*args)
+        clusters.append(c)
+        return c
+
+    yield start
+    for c in clusters:
+        c.close()
+
+
+def eventually(what: str, check, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
