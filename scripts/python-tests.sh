@@ -9,7 +9,7 @@ venv=target/venv-py
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
-"$venv/bin/pip" install -q --disable-pip-version-check "prometheus_client==0.26.*" "pytest==9.*" numpy ml_dtypes xxhash safetensors
+"$venv/bin/pip" install -q --disable-pip-version-check "prometheus_client==0.26.*" "pytest==9.*" numpy ml_dtypes xxhash safetensors jsonschema
 cargo build --workspace -q
 export ORCHESTRATOR_BIN_DIR="${ORCHESTRATOR_BIN_DIR:-$PWD/target/debug}"
 "$venv/bin/python" -m pytest -q tests/python "$@"

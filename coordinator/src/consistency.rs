@@ -8,7 +8,7 @@ use orchestrator_proto::v1 as pb;
 use serde::Serialize;
 
 /// One rank as the report sees it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct RankRow {
     pub worker: u32,
     pub dp: u32,
@@ -51,7 +51,7 @@ pub struct RankRow {
     pub verdict: String,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct ProbeCell {
     pub ok: bool,
     pub q_mismatches: u64,
@@ -144,7 +144,7 @@ pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> 
 }
 
 /// A rank, as findings name it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, schemars::JsonSchema)]
 pub struct RankId {
     pub dp: u32,
     pub tp: u32,
@@ -157,7 +157,7 @@ impl RankId {
 }
 
 /// One disagreement, as data: the ranks it names, the tensor when one is involved, and the text.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct Finding {
     pub ranks: Vec<RankId>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -177,7 +177,7 @@ impl Finding {
 }
 
 /// One cross-rank rule's verdict.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct Rule {
     /// A short stable name (the `rule` label of `orchestrator_verification_failures_total`).
     pub id: String,
@@ -190,7 +190,7 @@ pub struct Rule {
 }
 
 /// Everything the report says.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct ConsistencyReport {
     pub ok: bool,
     pub tp_size: u32,
@@ -211,7 +211,7 @@ pub struct ConsistencyReport {
 }
 
 /// One host's ranks in the report.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, PartialEq, schemars::JsonSchema)]
 pub struct HostSummary {
     pub host: String,
     pub ranks: Vec<RankId>,

@@ -11,6 +11,7 @@ mod recover;
 mod registry;
 mod rollout;
 mod rotation;
+mod schemas;
 mod server;
 mod service;
 mod session;
@@ -77,6 +78,9 @@ enum Command {
     /// likely cause (permutation skipped or doubled, scales not swizzled or packed, the other
     /// scale rule, another rank's shard). Exit code 0 only when every tensor matches.
     VerifyDump(cli::manifest::VerifyDumpArgs),
+    /// The JSON Schema of a `--json` document (report, update, probe, manifest, verify-dump), or
+    /// with --out every schema written into DIR.
+    Schema(SchemaArgs),
     /// TLS for clusters that listen beyond loopback.
     #[command(subcommand)]
     Tls(TlsCommand),
@@ -245,6 +249,35 @@ struct SynthArgs {
     /// Largest shard file in bytes.
     #[arg(long, default_value_t = DEFAULT_MAX_SHARD_BYTES)]
     max_shard_bytes: usize,
+}
+
+#[derive(Args)]
+struct SchemaArgs {
+    /// report, update, probe, manifest or verify-dump (default: list them).
+    name: Option<String>,
+    /// Write every schema as DIR/NAME.schema.json.
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+}
+
+fn schema_cmd(a: SchemaArgs) -> anyhow::Result<bool> {
+    let all = schemas::all();
+    if let Some(dir) = &a.out {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (name, _, schema) in &all {
+            let path = dir.join(format!("{name}.schema.json"));
+            std::fs::write(&path, schemas::text(schema)).with_context(|| format!("writing {}", path.display()))?;
+        }
+        return Ok(true);
+    }
+    match a.name {
+        Some(name) => match all.iter().find(|(n, _, _)| *n == name) {
+            Some((_, _, schema)) => emit(&schemas::text(schema)),
+            None => anyhow::bail!("no schema `{name}`: one of {}", all.iter().map(|(n, _, _)| *n).collect::<Vec<_>>().join(", ")),
+        },
+        None => emit(&all.iter().map(|(n, by, _)| format!("{n:<12} {by}\n")).collect::<String>()),
+    }
+    Ok(true)
 }
 
 #[derive(Args)]
@@ -437,7 +470,7 @@ fn update_cmd(a: UpdateArgs) -> anyhow::Result<bool> {
 }
 
 fn probe_cmd(a: ProbeLoadArgs) -> anyhow::Result<bool> {
-    use cli::load::{at_rate, counts, percentile};
+    use cli::load::{ProbeDocument, at_rate};
     anyhow::ensure!(a.rate > 0.0 && a.rate <= 1000.0, "--rate must be in (0, 1000]");
     anyhow::ensure!(a.duration > 0.0 && a.duration <= 86_400.0, "--duration must be in (0, 86400] seconds");
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
@@ -445,43 +478,27 @@ fn probe_cmd(a: ProbeLoadArgs) -> anyhow::Result<bool> {
         let (client, token) = coordinator_client(&a.remote).await?;
         let start = std::time::Instant::now();
         let samples = at_rate(&client, token.as_ref(), a.size, a.rate, std::time::Duration::from_secs_f64(a.duration)).await;
-        let seconds = start.elapsed().as_secs_f64();
-        let latencies: Vec<f64> = samples.iter().map(|s| s.ms).collect();
-        let by_replica = counts(&samples, |s| s.replica.clone());
-        let by_version = counts(&samples, |s| s.version.clone());
-        let errors: Vec<String> = samples.iter().filter(|s| !s.ok).take(10).map(|s| s.error.clone()).collect();
-        let failed: u64 = by_replica.values().map(|v| v.1).sum();
-        let served: u64 = by_replica.values().map(|v| v.0).sum();
-        let pct = |q| percentile(&latencies, q);
-        let doc = serde_json::json!({
-            "ok": failed == 0, "served": served, "failed": failed,
-            "seconds": seconds,
-            "latency_ms": { "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": pct(1.0) },
-            "by_replica": by_replica.iter().map(|(k, v)| (k.clone(), serde_json::json!({"served": v.0, "failed": v.1}))).collect::<serde_json::Map<_, _>>(),
-            "by_version": by_version.iter().map(|(k, v)| (k.clone(), serde_json::json!({"served": v.0, "failed": v.1}))).collect::<serde_json::Map<_, _>>(),
-            "errors": errors,
-        });
+        let doc = ProbeDocument::of(&samples, start.elapsed().as_secs_f64());
         if a.remote.json {
             emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?));
         } else {
+            let l = &doc.latency_ms;
             let mut t = format!(
-                "probes: {served} served, {failed} failed in {seconds:.1} s; latency p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms\n",
-                pct(0.5),
-                pct(0.9),
-                pct(0.99)
+                "probes: {} served, {} failed in {:.1} s; latency p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms\n",
+                doc.served, doc.failed, doc.seconds, l.p50, l.p90, l.p99
             );
-            for (k, v) in &by_replica {
-                t.push_str(&format!("  replica {k}: {} served, {} failed\n", v.0, v.1));
+            for (k, v) in &doc.by_replica {
+                t.push_str(&format!("  replica {k}: {} served, {} failed\n", v.served, v.failed));
             }
-            for (k, v) in &by_version {
-                t.push_str(&format!("  version {k}: {} served, {} failed\n", v.0, v.1));
+            for (k, v) in &doc.by_version {
+                t.push_str(&format!("  version {k}: {} served, {} failed\n", v.served, v.failed));
             }
-            for e in &errors {
+            for e in &doc.errors {
                 t.push_str(&format!("  error: {e}\n"));
             }
             emit(&t);
         }
-        Ok(failed == 0)
+        Ok(doc.ok)
     })
 }
 
@@ -504,6 +521,7 @@ fn main() -> ExitCode {
         Command::Checkpoint(CheckpointCommand::Inspect(a)) => inspect_cmd(a),
         Command::Checkpoint(CheckpointCommand::Manifest(a)) => cli::manifest::manifest_cmd(a),
         Command::VerifyDump(a) => cli::manifest::verify_dump_cmd(a),
+        Command::Schema(a) => schema_cmd(a),
     };
     orchestrator_worker::output::exit_code(result)
 }

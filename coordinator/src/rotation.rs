@@ -13,7 +13,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 /// One replica's place in the rotation.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, schemars::JsonSchema)]
 pub struct ReplicaState {
     pub serving: bool,
     /// The version every rank said it holds at their last agreeing answer (empty: unknown).

@@ -161,8 +161,8 @@ async fn run_update(session: &Session, dir: &std::path::Path, max_unavailable: u
     }
     text.push_str(&format!("update {} in {:.2} s\n", if outcome.ok { "done" } else { "FAILED" }, outcome.seconds));
     text.push_str(&report.render());
-    let json = serde_json::json!({ "ok": ok, "update": outcome, "report": report });
-    Ok(pb::UpdateResponse { ok, json: serde_json::to_string_pretty(&json).map_err(|e| Status::internal(e.to_string()))?, text })
+    let doc = crate::update::UpdateDocument { ok, update: outcome, report };
+    Ok(pb::UpdateResponse { ok, json: serde_json::to_string_pretty(&doc).map_err(|e| Status::internal(e.to_string()))?, text })
 }
 
 #[cfg(test)]

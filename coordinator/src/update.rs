@@ -202,7 +202,7 @@ async fn brief_versions(cluster: &Cluster, dp: u32, id: u32) -> Option<(String, 
 }
 
 /// What an update did, step by step.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
 pub struct UpdateOutcome {
     pub ok: bool,
     pub checkpoint: String,
@@ -216,6 +216,15 @@ pub struct UpdateOutcome {
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub pending_commits: BTreeMap<u32, String>,
     pub seconds: f64,
+}
+
+/// What `orchestrator update --json` prints: the outcome and the consistency report after it.
+#[derive(Clone, Debug, Serialize, schemars::JsonSchema)]
+pub struct UpdateDocument {
+    /// The update finished and the report after it is consistent.
+    pub ok: bool,
+    pub update: UpdateOutcome,
+    pub report: crate::consistency::ConsistencyReport,
 }
 
 /// Validates the new checkpoint against the running plan and the allowed roots before any

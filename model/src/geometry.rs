@@ -11,7 +11,7 @@ pub const HEADS_PER_GROUP: usize = 8;
 pub const ROPE_DIM: usize = 64;
 
 /// The attention geometry of one model.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Geometry {
     pub hidden: usize,
     pub layers: usize,

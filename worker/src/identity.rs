@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever the pipeline's output for the same input changes.
 pub const LAYOUT_VERSION: u32 = 1;
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct LayoutIdentity {
     pub layout_version: u32,
     pub geometry: Geometry,

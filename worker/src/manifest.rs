@@ -56,7 +56,7 @@ pub enum ManifestError {
 }
 
 /// One expected kernel tensor.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ExpectedTensor {
     pub dtype: String,
     pub shape: Vec<usize>,
@@ -67,7 +67,7 @@ pub struct ExpectedTensor {
 }
 
 /// One TP rank's expectations, keyed as engines key their ranks (by TP rank).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct RankManifest {
     pub tp_rank: usize,
     pub layout_identity: LayoutIdentity,
@@ -77,7 +77,7 @@ pub struct RankManifest {
     pub source: BTreeMap<String, String>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Manifest {
     pub manifest_version: u32,
     pub generator: String,
@@ -191,7 +191,7 @@ impl Manifest {
 }
 
 /// What a differing tensor most likely is.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Cause {
     /// One of the wrong layouts of this rank (`permutation_skipped`, `permuted_twice`,
@@ -222,7 +222,7 @@ impl std::fmt::Display for Cause {
 }
 
 /// One tensor of a dump that is not what the manifest expects.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct TensorFinding {
     pub tensor: String,
     /// `missing`, `wrong_dtype_or_shape` or `differs`.
@@ -236,7 +236,7 @@ pub struct TensorFinding {
     pub explanation: Option<String>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct RankVerdict {
     pub tp_rank: usize,
     pub file: String,
@@ -246,7 +246,7 @@ pub struct RankVerdict {
     pub findings: Vec<TensorFinding>,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 pub struct DumpVerdict {
     pub ok: bool,
     pub manifest_checkpoint_version: String,

@@ -11,6 +11,61 @@ use orchestrator_worker::auth::Token;
 use orchestrator_worker::probe::ProbeSpec;
 use tonic::transport::Channel;
 
+/// Served and failed probes of one replica or version.
+#[derive(Clone, Debug, serde::Serialize, schemars::JsonSchema)]
+pub struct Counts {
+    pub served: u64,
+    pub failed: u64,
+}
+
+/// Latency percentiles in milliseconds (nearest rank).
+#[derive(Clone, Debug, serde::Serialize, schemars::JsonSchema)]
+pub struct Latency {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+/// What `orchestrator probe --json` prints.
+#[derive(Clone, Debug, serde::Serialize, schemars::JsonSchema)]
+pub struct ProbeDocument {
+    /// No probe failed.
+    pub ok: bool,
+    pub served: u64,
+    pub failed: u64,
+    pub seconds: f64,
+    pub latency_ms: Latency,
+    /// By replica (`dp0`, ...; `-` when the call itself failed).
+    pub by_replica: BTreeMap<String, Counts>,
+    /// By the version the replica's ranks probed (`-` when the call itself failed).
+    pub by_version: BTreeMap<String, Counts>,
+    /// The first ten errors.
+    pub errors: Vec<String>,
+}
+
+impl ProbeDocument {
+    pub fn of(samples: &[Sample], seconds: f64) -> Self {
+        let latencies: Vec<f64> = samples.iter().map(|s| s.ms).collect();
+        let to_counts =
+            |m: BTreeMap<String, (u64, u64)>| m.into_iter().map(|(k, (served, failed))| (k, Counts { served, failed })).collect();
+        let by_replica: BTreeMap<String, Counts> = to_counts(counts(samples, |s| s.replica.clone()));
+        let failed = by_replica.values().map(|c| c.failed).sum();
+        let served = by_replica.values().map(|c| c.served).sum();
+        let pct = |q| percentile(&latencies, q);
+        Self {
+            ok: failed == 0,
+            served,
+            failed,
+            seconds,
+            latency_ms: Latency { p50: pct(0.5), p90: pct(0.9), p99: pct(0.99), max: pct(1.0) },
+            by_replica,
+            by_version: to_counts(counts(samples, |s| s.version.clone())),
+            errors: samples.iter().filter(|s| !s.ok).take(10).map(|s| s.error.clone()).collect(),
+        }
+    }
+}
+
 /// One routed probe as the client saw it.
 #[derive(Clone, Debug)]
 pub struct Sample {
