@@ -452,9 +452,23 @@ fn update_cmd(a: UpdateArgs) -> anyhow::Result<bool> {
             std::time::Duration::from_secs(3600),
             token.as_ref(),
         );
-        let r = client
-            .update(req)
-            .await
+        // A terminal sees the update run (it answers once, at its end); logs and pipes do not.
+        let spinner = (std::io::IsTerminal::is_terminal(&std::io::stderr())
+            && orchestrator_worker::logging::current() == orchestrator_worker::logging::LogFormat::Text)
+            .then(|| {
+                let s = indicatif::ProgressBar::new_spinner().with_message(format!("rolling {} out, one replica at a time", dir.display()));
+                s.set_style(
+                    indicatif::ProgressStyle::with_template("{spinner} {msg} ({elapsed})")
+                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+                );
+                s.enable_steady_tick(std::time::Duration::from_millis(120));
+                s
+            });
+        let r = client.update(req).await;
+        if let Some(s) = spinner {
+            s.finish_and_clear();
+        }
+        let r = r
             .map_err(|s| match s.code() {
                 tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => anyhow::anyhow!(
                     "update: lost the coordinator mid-update ({}): every rank holds the old or the verified new version; if it ran with \

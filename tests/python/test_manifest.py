@@ -119,3 +119,23 @@ def test_bad_dumps_get_clear_errors(tmp_path):
     assert r.returncode != 0 and "rank 7 is not a rank of the manifest (TP 2)" in r.stderr, r.stderr
     r = run("verify-dump", str(tmp_path / "far"), "--manifest", str(bad), check=False)
     assert r.returncode != 0 and "not a manifest" in r.stderr, r.stderr
+
+
+def test_an_engines_own_parameter_shapes_are_noted_not_failed(tmp_path):
+    """Same bytes, another shape (an engine keeps wq_b's swizzled scale as 2-D): a match, noted."""
+    import struct
+
+    mfile, _ = manifest(tmp_path, FP8, 2)
+    dump = python_dump(tmp_path / "engine", FP8, 2, 0)
+    raw = dump.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    entry = header["layers.0.attn.wq_b.weight_scale"]
+    entry["shape"] = [entry["shape"][0] // 512, 512]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    dump.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    code, v = verify(dump, mfile)
+    assert code == 0 and v["ok"], v
+    (note,) = v["ranks"][0]["notes"]
+    assert note.startswith("layers.0.attn.wq_b.weight_scale: bytes as expected, stored as F8_E8M0 [") and "[16384]" in note, note
