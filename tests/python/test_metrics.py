@@ -3,8 +3,12 @@ after a rolling update, and after a failed verification."""
 
 import json
 import re
+import shutil
+import subprocess
 import threading
 from pathlib import Path
+
+import pytest
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_prometheus_text
@@ -12,8 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families as parse_pro
 from harness import eventually, synth
 
 
-# Every series name the tests scraped (the dashboard test checks its queries against them).
+# Every series name the tests scraped (the dashboard test checks its queries against them), and
+# the text of the last scrape after an update (the lint test reads it).
 SCRAPED: set = set()
+LAST_SCRAPE: list = []
 
 
 def samples(text: str) -> dict:
@@ -89,6 +95,7 @@ def test_the_version_gauge_moves_replica_by_replica_and_the_update_counts(tmp_pa
     assert not any(l["rule"] for l, v in after.get("orchestrator_verification_failures_total", []) if v > 0)
 
     SCRAPED.update(set(before) | set(after_probes) | set(after))
+    LAST_SCRAPE.append(cluster.scrape())
 
 
 def test_a_failed_verification_counts_under_its_rule(tmp_path, served_factory):
@@ -116,3 +123,11 @@ def test_every_dashboard_query_names_series_the_tests_scraped():
     assert len(queries) >= 10
     named = {m for q in queries for m in re.findall(r"\borchestrator_[a-z0-9_]+", q)}
     assert named and named <= SCRAPED, named - SCRAPED
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (.ci/run installs it)")
+def test_promtool_finds_nothing_to_lint_in_the_exposition():
+    """Prometheus' own linter (`promtool check metrics`: names, units, _total suffixes, help)."""
+    assert LAST_SCRAPE, "runs after the update test"
+    r = subprocess.run(["promtool", "check", "metrics"], input=LAST_SCRAPE[-1], capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
