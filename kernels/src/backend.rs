@@ -148,6 +148,19 @@ pub trait Backend {
         perm: &Permutation,
         dst: &mut Self::Buffer,
     ) -> Result<(), KernelError>;
+    /// The digest of what [`Backend::gather_runs`] would write, without a destination of the
+    /// tensor's size. The default gathers into a scratch buffer, then digests.
+    fn digest_gathered_runs(
+        &self,
+        src: &Self::Buffer,
+        row_bytes: usize,
+        run_bytes: usize,
+        perm: &Permutation,
+    ) -> Result<Digest, KernelError> {
+        let mut dst = self.empty();
+        self.gather_runs(src, row_bytes, run_bytes, perm, &mut dst)?;
+        self.digest(&dst)
+    }
     /// F8_128x4 swizzle of an `[m, c]` scale.
     fn swizzle_128x4(&self, src: &Self::Buffer, m: usize, c: usize, dst: &mut Self::Buffer) -> Result<(), KernelError>;
     /// Inverse of the swizzle.
@@ -312,6 +325,9 @@ impl Backend for CpuBackend {
         dst: &mut Vec<u8>,
     ) -> Result<(), KernelError> {
         permutation::gather_runs(src, row_bytes, run_bytes, perm, dst)
+    }
+    fn digest_gathered_runs(&self, src: &Vec<u8>, row_bytes: usize, run_bytes: usize, perm: &Permutation) -> Result<Digest, KernelError> {
+        permutation::digest_gathered_runs(src, row_bytes, run_bytes, perm)
     }
     fn swizzle_128x4(&self, src: &Vec<u8>, m: usize, c: usize, dst: &mut Vec<u8>) -> Result<(), KernelError> {
         layout::swizzle_128x4(src, m, c, dst)

@@ -196,6 +196,53 @@ impl<B: Backend, P, S> Mx<B, P, S> {
     }
 }
 
+/// The block scale `[rows/bm, k/bk]` that per-row scales `[rows, k/32]` were expanded from; an
+/// error if any block's rows or columns disagree (then they did not come from block scales).
+pub fn block_scales_of(scale: &[u8], rows: usize, k: usize, block: [usize; 2]) -> Result<Vec<u8>, KernelError> {
+    let [bm, bk] = block;
+    let c = k / BLOCK;
+    let per = bk / BLOCK;
+    if bm == 0 || per == 0 || !rows.is_multiple_of(bm) || !c.is_multiple_of(per) || scale.len() != rows * c {
+        return Err(KernelError::Shape(format!("[{rows}, {k}] has no {bm}x{bk} blocks")));
+    }
+    let (brows, bcols) = (rows / bm, c / per);
+    let mut out = vec![0u8; brows * bcols];
+    for r in 0..rows {
+        for j in 0..c {
+            let v = scale[r * c + j];
+            let slot = &mut out[(r / bm) * bcols + j / per];
+            if r % bm == 0 && j % per == 0 {
+                *slot = v;
+            } else if *slot != v {
+                return Err(KernelError::Layout(format!("per-row scale ({r}, {j}) = {v} differs from its {bm}x{bk} block's {}", *slot)));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A kernel tensor read back in checkpoint order, for the round trip: the digest of its weight
+/// bytes as the inverse hooks and inverse permutation lay them out (computed through the
+/// inverse index map, without writing them: [`Backend::digest_gathered_runs`]), and its per-row
+/// scales `[rows, k/32]` in checkpoint order (host bytes; a thirty-second of the weight).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointOrderView {
+    pub weight: Digest,
+    pub scale: Vec<u8>,
+    pub rows: usize,
+    pub k: usize,
+}
+
+impl CheckpointOrderView {
+    pub fn scale_digest(&self) -> Digest {
+        Digest::of(&self.scale)
+    }
+    /// The block scale the per-row scales were expanded from (FP8 checkpoints).
+    pub fn block_scales(&self, block: [usize; 2]) -> Result<Vec<u8>, KernelError> {
+        block_scales_of(&self.scale, self.rows, self.k, block)
+    }
+}
+
 /// Builds a matrix in a given state; private, so only this module's transitions can.
 fn mx<B: Backend, P, S>(weight: B::Buffer, scale: B::Buffer, rows: usize, k: usize) -> Mx<B, P, S> {
     Mx { weight, scale, rows, k, _layout: PhantomData }
@@ -227,31 +274,9 @@ impl<B: Backend, P> Mx<B, P, CheckpointOrder> {
     /// The block scale `[rows/bm, k/bk]` these per-row scales were expanded from; an error if
     /// any block's rows or columns disagree (then they did not come from block scales).
     pub fn block_scales(&self, backend: &B, block: [usize; 2]) -> Result<Vec<u8>, KernelError> {
-        let [bm, bk] = block;
-        let c = self.scale_cols();
-        let per = bk / BLOCK;
-        if bm == 0 || per == 0 || !self.rows.is_multiple_of(bm) || !c.is_multiple_of(per) {
-            return Err(KernelError::Shape(format!("[{}, {}] has no {bm}x{bk} blocks", self.rows, self.k)));
-        }
         let mut host = Vec::new();
         backend.download(&self.scale, &mut host)?;
-        let (brows, bcols) = (self.rows / bm, c / per);
-        let mut out = vec![0u8; brows * bcols];
-        for r in 0..self.rows {
-            for j in 0..c {
-                let v = host[r * c + j];
-                let slot = &mut out[(r / bm) * bcols + j / per];
-                if r % bm == 0 && j % per == 0 {
-                    *slot = v;
-                } else if *slot != v {
-                    return Err(KernelError::Layout(format!(
-                        "per-row scale ({r}, {j}) = {v} differs from its {bm}x{bk} block's {}",
-                        *slot
-                    )));
-                }
-            }
-        }
-        Ok(out)
+        block_scales_of(&host, self.rows, self.k, block)
     }
 }
 
@@ -603,6 +628,103 @@ impl<B: Backend> KernelTensor<B> {
             return Err(e);
         }
         Ok(Mx { weight, scale, rows, k, _layout: PhantomData })
+    }
+
+    fn rows_and_k(&self) -> (usize, usize) {
+        let rows: usize = self.weight_shape[..self.weight_shape.len().saturating_sub(1)].iter().product();
+        (rows, *self.weight_shape.last().unwrap_or(&0))
+    }
+
+    /// The per-row scale `[rows, k/32]` the hook consumed, into a pool buffer.
+    fn scale_per_row(&self, backend: &B, pool: &mut BufferPool<B>) -> Result<B::Buffer, KernelError> {
+        let (rows, k) = self.rows_and_k();
+        let mut scale = pool.take(backend, rows * (k / BLOCK));
+        let r = match self.scale_layout {
+            ScaleLayout::Swizzled128x4 { rows, cols } => backend.unswizzle_128x4(&self.scale, rows, cols, &mut scale),
+            ScaleLayout::PackedUe8m0 { groups, rows, cols } => backend.unpack_ue8m0(&self.scale, groups, rows, cols, &mut scale),
+        };
+        match r {
+            Ok(()) => Ok(scale),
+            Err(e) => {
+                pool.give(scale);
+                Err(e)
+            }
+        }
+    }
+
+    /// The scale in checkpoint order through `(row, run, inv)` (runs of `run` bytes in rows of `row`), on
+    /// the host, and the weight's digest through its own inverse the same way (`None`: as stored).
+    fn view_through(
+        &self,
+        backend: &B,
+        pool: &mut BufferPool<B>,
+        weight: Option<(usize, usize, &Permutation)>,
+        scale: Option<(usize, usize, &Permutation)>,
+    ) -> Result<CheckpointOrderView, KernelError> {
+        let (rows, k) = self.rows_and_k();
+        let per_row = self.scale_per_row(backend, pool)?;
+        let ordered = match scale {
+            Some((row, run, inv)) => {
+                let mut out = pool.take(backend, rows * (k / BLOCK));
+                let r = backend.gather_runs(&per_row, row, run, inv, &mut out);
+                pool.give(per_row);
+                if let Err(e) = r {
+                    pool.give(out);
+                    return Err(e);
+                }
+                out
+            }
+            None => per_row,
+        };
+        let mut host = Vec::new();
+        let downloaded = backend.download(&ordered, &mut host);
+        pool.give(ordered);
+        downloaded?;
+        let weight = match weight {
+            Some((row, run, inv)) => backend.digest_gathered_runs(&self.weight, row, run, inv)?,
+            None => backend.digest(&self.weight)?,
+        };
+        Ok(CheckpointOrderView { weight, scale: host, rows, k })
+    }
+
+    /// `wq_b` read back through the linear hook's inverse and the inverse Q row permutation.
+    pub fn wq_b_in_checkpoint_order(
+        &self,
+        backend: &B,
+        q: &QPermutation,
+        pool: &mut BufferPool<B>,
+    ) -> Result<CheckpointOrderView, KernelError> {
+        self.expect_layout(matches!(self.scale_layout, ScaleLayout::Swizzled128x4 { .. }), "wq_b")?;
+        let (rows, k) = self.rows_and_k();
+        let inv = q.rows().inverse();
+        if inv.len() != rows {
+            return Err(KernelError::Shape(format!("the Q permutation covers {} rows but the shard has {rows}", inv.len())));
+        }
+        let c = k / BLOCK;
+        self.view_through(backend, pool, Some((rows * k, k, &inv)), Some((rows * c, c, &inv)))
+    }
+
+    /// `wo_a` read back through the BMM hook's inverse and the inverse O chunk permutation.
+    pub fn wo_a_in_checkpoint_order(
+        &self,
+        backend: &B,
+        o: &OPermutation,
+        pool: &mut BufferPool<B>,
+    ) -> Result<CheckpointOrderView, KernelError> {
+        self.expect_layout(matches!(self.scale_layout, ScaleLayout::PackedUe8m0 { .. }), "wo_a")?;
+        let (_, k) = self.rows_and_k();
+        let inv = o.chunks().inverse();
+        if inv.len() * O_CHUNK != k {
+            return Err(KernelError::Shape(format!("the O permutation covers {} columns but wo_a has {k}", inv.len() * O_CHUNK)));
+        }
+        let c = k / BLOCK;
+        self.view_through(backend, pool, Some((k, O_CHUNK, &inv)), Some((c, 1, &inv)))
+    }
+
+    /// `wo_b` read back through the linear hook's inverse (it is never permuted).
+    pub fn wo_b_in_checkpoint_order(&self, backend: &B, pool: &mut BufferPool<B>) -> Result<CheckpointOrderView, KernelError> {
+        self.expect_layout(matches!(self.scale_layout, ScaleLayout::Swizzled128x4 { .. }), "wo_b")?;
+        self.view_through(backend, pool, None, None)
     }
 
     /// `wq_b`: undo the linear hook, giving the fused matrix back.

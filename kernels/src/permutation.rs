@@ -151,13 +151,7 @@ pub enum BlockOrder<'p> {
 /// `dst[row][f] = src[row][perm[f]]` where indices count runs. A row gather is the case of one
 /// "row" spanning the whole buffer; a column gather has `row_bytes` = one matrix row.
 pub fn gather_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm: &Permutation, dst: &mut Vec<u8>) -> Result<(), KernelError> {
-    if run_bytes == 0 || row_bytes != perm.len() * run_bytes || !src.len().is_multiple_of(row_bytes.max(1)) {
-        return Err(KernelError::Shape(format!(
-            "cannot gather {} runs of {run_bytes} bytes from rows of {row_bytes} bytes ({} bytes in all)",
-            perm.len(),
-            src.len()
-        )));
-    }
+    check_runs(src, row_bytes, run_bytes, perm)?;
     // Every byte is overwritten below: no need to clear first.
     dst.resize(src.len(), 0);
     for (src_row, dst_row) in src.chunks_exact(row_bytes).zip(dst.chunks_exact_mut(row_bytes)) {
@@ -175,9 +169,72 @@ pub fn gather_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm: &Permut
     Ok(())
 }
 
+fn check_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm: &Permutation) -> Result<(), KernelError> {
+    if run_bytes == 0 || row_bytes != perm.len() * run_bytes || !src.len().is_multiple_of(row_bytes.max(1)) {
+        return Err(KernelError::Shape(format!(
+            "cannot gather {} runs of {run_bytes} bytes from rows of {row_bytes} bytes ({} bytes in all)",
+            perm.len(),
+            src.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Runs at least this long are hashed where they lie; shorter ones are gathered a row at a time
+/// into a scratch row first (a hasher fed 32-byte pieces spends more on the calls than on the
+/// bytes).
+const HASH_IN_PLACE_RUN: usize = 256;
+
+/// The digest of what [`gather_runs`] would write, without writing it (the same checks, the
+/// same value): the round trip reads kernel tensors back through the inverse permutation this
+/// way, with no buffer the size of the tensor.
+pub fn digest_gathered_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm: &Permutation) -> Result<crate::Digest, KernelError> {
+    check_runs(src, row_bytes, run_bytes, perm)?;
+    let mut h = crate::digest::DigestStream::new();
+    if run_bytes >= HASH_IN_PLACE_RUN {
+        for src_row in src.chunks_exact(row_bytes) {
+            for &s in perm.as_slice() {
+                let at = s as usize * run_bytes;
+                h.update(&src_row[at..at + run_bytes]);
+            }
+        }
+    } else {
+        let mut row = Vec::with_capacity(row_bytes);
+        for src_row in src.chunks_exact(row_bytes) {
+            row.clear();
+            for &s in perm.as_slice() {
+                let at = s as usize * run_bytes;
+                row.extend_from_slice(&src_row[at..at + run_bytes]);
+            }
+            h.update(&row);
+        }
+    }
+    Ok(h.finish())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gathered_digest_equals_the_digest_of_the_gathered_bytes() {
+        let src: Vec<u8> = (0..4 * 512 * 3).map(|i| (i * 7 + i / 13) as u8).collect();
+        let mut dst = Vec::new();
+        // Rows of runs (wq_b rows, 512-byte runs), short runs (wo_a chunks), single bytes (scale columns).
+        for (row_bytes, run_bytes) in [(src.len(), 512), (1536, 32), (512, 1), (src.len(), 3)] {
+            let n = row_bytes / run_bytes;
+            let perm = Permutation::from_map((0..n as u32).map(|i| (i * 5 + 3) % n as u32).collect())
+                .unwrap_or_else(|_| Permutation::from_map((0..n as u32).rev().collect()).unwrap());
+            gather_runs(&src, row_bytes, run_bytes, &perm, &mut dst).unwrap();
+            assert_eq!(
+                digest_gathered_runs(&src, row_bytes, run_bytes, &perm).unwrap(),
+                crate::Digest::of(&dst),
+                "{row_bytes}/{run_bytes}"
+            );
+        }
+        let perm = Permutation::from_map(vec![1, 0]).unwrap();
+        assert!(matches!(digest_gathered_runs(&src, 10, 3, &perm), Err(KernelError::Shape(_))));
+    }
 
     #[test]
     fn q_worked_examples() {

@@ -42,6 +42,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+OPENMETRICS = "application/openmetrics-text; version=1.0.0,text/plain;version=0.0.4;q=0.5"
+
+
+def scrape(port: int, openmetrics: bool = True) -> str:
+    headers = {"Accept": OPENMETRICS} if openmetrics else {}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        kind = r.headers["Content-Type"]
+        assert kind.startswith("application/openmetrics-text" if openmetrics else "text/plain; version=0.0.4"), kind
+        return r.read().decode()
+
+
 class Served:
     """`orchestrator launch --serve ...` until it announces the cluster; stopped on close."""
 
@@ -67,10 +79,9 @@ class Served:
     def cli(self, verb: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return run(verb, "--coordinator", self.coordinator, "--token-file", self.token_file, *args, check=check)
 
-    def scrape(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            assert r.headers["Content-Type"].startswith("application/openmetrics-text"), r.headers["Content-Type"]
-            return r.read().decode()
+    def scrape(self, openmetrics: bool = True) -> str:
+        """/metrics as Prometheus asks for it (OpenMetrics), or as a classic scraper does."""
+        return scrape(self.metrics_port, openmetrics)
 
     def close(self) -> None:
         if self.proc.poll() is None:

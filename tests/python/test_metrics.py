@@ -17,7 +17,7 @@ from harness import eventually, synth
 
 
 # Every series name the tests scraped (the dashboard test checks its queries against them), and
-# the text of the last scrape after an update (the lint test reads it).
+# the classic-format text of the last scrape after an update (the lint test reads it).
 SCRAPED: set = set()
 LAST_SCRAPE: list = []
 
@@ -95,7 +95,10 @@ def test_the_version_gauge_moves_replica_by_replica_and_the_update_counts(tmp_pa
     assert not any(l["rule"] for l, v in after.get("orchestrator_verification_failures_total", []) if v > 0)
 
     SCRAPED.update(set(before) | set(after_probes) | set(after))
-    LAST_SCRAPE.append(cluster.scrape())
+    classic = cluster.scrape(openmetrics=False)
+    assert {s.name for f in parse_prometheus_text(classic) for s in f.samples} == {
+        s.name for f in parse_openmetrics(cluster.scrape()) for s in f.samples}
+    LAST_SCRAPE.append(classic)
 
 
 def test_a_failed_verification_counts_under_its_rule(tmp_path, served_factory):

@@ -6,15 +6,14 @@ import re
 import subprocess
 import threading
 import time
-import urllib.request
 
+import harness
 from harness import bin_path, eventually, free_port, run, synth
 from test_metrics import samples
 
 
 def scrape(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        return samples(r.read().decode())
+    return samples(harness.scrape(port))
 
 
 def test_each_worker_exposes_its_loads_version_and_probes(tmp_path):

@@ -312,6 +312,14 @@ impl Backend for AnyBackend {
             device!(dst)
         ))
     }
+    fn digest_gathered_runs(&self, src: &AnyBuffer, row_bytes: usize, run_bytes: usize, perm: &Permutation) -> Result<Digest, KernelError> {
+        forward!(self, |b| b.digest_gathered_runs(host!(src), row_bytes, run_bytes, perm), |g| g.digest_gathered_runs(
+            device!(src),
+            row_bytes,
+            run_bytes,
+            perm
+        ))
+    }
     fn swizzle_128x4(&self, src: &AnyBuffer, m: usize, c: usize, dst: &mut AnyBuffer) -> Result<(), KernelError> {
         forward!(self, |b| b.swizzle_128x4(host!(src), m, c, host!(dst)), |g| g.swizzle_128x4(device!(src), m, c, device!(dst)))
     }

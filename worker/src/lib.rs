@@ -49,7 +49,7 @@ pub fn load_and_report<B: Backend + Sync>(
     probe: Option<probe::ProbeSpec>,
 ) -> anyhow::Result<RankReport>
 where
-    B::Buffer: Send,
+    B::Buffer: Send + Sync,
 {
     let loader = RankLoader::new(backend, source.config(), tp_size, rank, rule)?;
     let weights = loader.load(source)?;

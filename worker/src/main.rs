@@ -174,7 +174,10 @@ fn load(args: LoadArgs) -> anyhow::Result<bool> {
     }
 }
 
-fn load_on<B: Backend + Sync>(backend: &B, args: &LoadArgs, source: &LoadSource) -> anyhow::Result<bool> {
+fn load_on<B: Backend + Sync>(backend: &B, args: &LoadArgs, source: &LoadSource) -> anyhow::Result<bool>
+where
+    B::Buffer: Sync,
+{
     let ranks: Vec<usize> = match args.rank {
         Some(r) => vec![r],
         None => (0..args.tp).collect(),

@@ -18,8 +18,32 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-/// The content type of OpenMetrics text.
+/// The content type of OpenMetrics text (what Prometheus asks for).
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The classic Prometheus text format, for scrapers that do not ask for OpenMetrics.
+pub const CLASSIC_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// OpenMetrics text as the classic Prometheus text format (0.0.4): a counter family `x` is
+/// named by its sample `x_total` in `# HELP` and `# TYPE`, and there is no `# EOF` (nor
+/// `# UNIT`). Everything else is the same in both.
+pub fn to_classic(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> =
+        openmetrics.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter")).collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let rest = line.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters.contains(name).then(|| format!("{p}{name}_total {tail}"))
+        });
+        out.push_str(renamed.as_deref().unwrap_or(line));
+        out.push('\n');
+    }
+    out
+}
 
 /// Encodes a registry as OpenMetrics text.
 pub fn encode(registry: &Registry) -> String {
@@ -29,16 +53,28 @@ pub fn encode(registry: &Registry) -> String {
     text
 }
 
-/// Binds `addr` and serves `GET /metrics` with what `render` returns at each scrape, until the
-/// process ends. Returns the bound address (`:0` picks a port).
+/// Binds `addr` and serves `GET /metrics` with what `render` returns at each scrape (OpenMetrics
+/// when the scraper's `Accept` asks for it, as Prometheus does, else the classic text format),
+/// until the process ends. Returns the bound address (`:0` picks a port).
 pub async fn serve(addr: SocketAddr, render: Arc<dyn Fn() -> String + Send + Sync>) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let app = axum::Router::new().route(
         "/metrics",
-        axum::routing::get(move || {
+        axum::routing::get(move |headers: axum::http::HeaderMap| {
             let render = render.clone();
-            async move { ([(axum::http::header::CONTENT_TYPE, CONTENT_TYPE)], render()) }
+            async move {
+                let wants_openmetrics = headers
+                    .get_all(axum::http::header::ACCEPT)
+                    .iter()
+                    .any(|v| v.to_str().is_ok_and(|v| v.contains("application/openmetrics-text")));
+                let text = render();
+                if wants_openmetrics {
+                    ([(axum::http::header::CONTENT_TYPE, CONTENT_TYPE)], text)
+                } else {
+                    ([(axum::http::header::CONTENT_TYPE, CLASSIC_CONTENT_TYPE)], to_classic(&text))
+                }
+            }
         }),
     );
     tokio::spawn(async move {
@@ -177,5 +213,13 @@ mod tests {
         assert!(!text.contains("version=\"v1\""), "{text}");
         assert!(text.contains("orchestrator_worker_probe_duration_seconds_count 1"), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
+        let classic = to_classic(&text);
+        assert!(classic.contains("# TYPE orchestrator_worker_load_bytes_total counter\n"), "{classic}");
+        assert!(classic.contains("# HELP orchestrator_worker_load_bytes_total Checkpoint bytes"), "{classic}");
+        assert!(classic.contains("# TYPE orchestrator_worker_load_seconds gauge\n"), "{classic}");
+        assert!(!classic.contains("# EOF"), "{classic}");
+        // Only the comment lines change.
+        let samples = |t: &str| t.lines().filter(|l| !l.starts_with('#')).map(String::from).collect::<Vec<_>>();
+        assert_eq!(samples(&classic), samples(&text));
     }
 }

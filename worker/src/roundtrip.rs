@@ -5,7 +5,7 @@
 //! (unpermuted) quantizer.
 
 use orchestrator_kernels::mxfp8::quantize_bf16_rows;
-use orchestrator_kernels::params::{CheckpointOrder, Mx, OPermutation, QPermutation};
+use orchestrator_kernels::params::{CheckpointOrderView, OPermutation, QPermutation};
 use orchestrator_kernels::{Backend, BufferPool, Digest, KernelError, ScaleRule};
 use orchestrator_model::names::{checkpoint_name, layer_tensors};
 use orchestrator_model::{Param, Part, WeightFormat};
@@ -23,8 +23,18 @@ pub struct RoundTrip {
     pub failures: Vec<String>,
 }
 
-/// Runs the round trip for every layer of a rank against the source it was loaded from.
-pub fn check_rank<B: Backend>(backend: &B, weights: &RankWeights<B>, source: &LoadSource) -> RoundTrip {
+/// Runs the round trip for every layer of a rank against the source it was loaded from, the
+/// layers in parallel (the verdict lists them in layer order).
+///
+/// Each kernel tensor is read back through the inverse hooks and the inverse permutation: its
+/// scales into checkpoint order (small), its weight bytes hashed through the inverse index map
+/// ([`orchestrator_kernels::Backend::digest_gathered_runs`]) instead of copied back out, so the
+/// check costs about one read of the rank's bytes and allocates nothing the size of a tensor.
+pub fn check_rank<B: Backend + Sync>(backend: &B, weights: &RankWeights<B>, source: &LoadSource) -> RoundTrip
+where
+    B::Buffer: Sync,
+{
+    use rayon::prelude::*;
     let format = source.config().format;
     let g = &weights.identity.geometry;
     let mut out = RoundTrip { ok: true, ..Default::default() };
@@ -46,11 +56,20 @@ pub fn check_rank<B: Backend>(backend: &B, weights: &RankWeights<B>, source: &Lo
         }
     };
     let ctx = Context { backend, weights, source, format, rule };
-    let mut pool = BufferPool::<B>::default();
-    for layer in &weights.layers {
-        if let Err(e) = check_layer(&ctx, layer, &q, &o, &mut pool, &mut out) {
-            out.failures.push(format!("layer {}: {e}", layer.layer));
-        }
+    let layers: Vec<RoundTrip> = weights
+        .layers
+        .par_iter()
+        .map_init(BufferPool::<B>::default, |pool, layer| {
+            let mut one = RoundTrip::default();
+            if let Err(e) = check_layer(&ctx, layer, &q, &o, pool, &mut one) {
+                one.failures.push(format!("layer {}: {e}", layer.layer));
+            }
+            one
+        })
+        .collect();
+    for one in layers {
+        out.checked += one.checked;
+        out.failures.extend(one.failures);
     }
     out.ok = out.failures.is_empty();
     out
@@ -73,15 +92,9 @@ fn check_layer<B: Backend>(
     out: &mut RoundTrip,
 ) -> Result<(), KernelError> {
     let (l, backend) = (layer.layer, ctx.backend);
-    let wq_b = layer.wq_b.unhook_wq_b(backend, pool)?.unpermute(backend, q, pool)?;
-    compare(ctx, layer, Param::WqB, &wq_b, out)?;
-    wq_b.recycle(pool);
-    let wo_a = layer.wo_a.unhook_wo_a(backend, pool)?.unpermute(backend, o, pool)?;
-    compare(ctx, layer, Param::WoA, &wo_a, out)?;
-    wo_a.recycle(pool);
-    let wo_b = layer.wo_b.unhook_wo_b(backend, pool)?;
-    compare(ctx, layer, Param::WoB, &wo_b, out)?;
-    wo_b.recycle(pool);
+    compare(ctx, layer, Param::WqB, &layer.wq_b.wq_b_in_checkpoint_order(backend, q, pool)?, out)?;
+    compare(ctx, layer, Param::WoA, &layer.wo_a.wo_a_in_checkpoint_order(backend, o, pool)?, out)?;
+    compare(ctx, layer, Param::WoB, &layer.wo_b.wo_b_in_checkpoint_order(backend, pool)?, out)?;
     let sink = checkpoint_name(l, Param::AttnSink, Part::Weight);
     let got = backend.digest(&layer.attn_sink)?;
     expect_digest(out, &sink, source_digest(layer, &sink), got);
@@ -101,21 +114,20 @@ fn expect_digest(out: &mut RoundTrip, what: &str, want: Option<Digest>, got: Dig
     }
 }
 
-fn compare<B: Backend, P>(
+fn compare<B: Backend>(
     ctx: &Context<'_, B>,
     layer: &LayerWeights<B>,
     param: Param,
-    back: &Mx<B, P, CheckpointOrder>,
+    back: &CheckpointOrderView,
     out: &mut RoundTrip,
 ) -> Result<(), KernelError> {
-    let backend = ctx.backend;
     let wname = checkpoint_name(layer.layer, param, Part::Weight);
-    let (wd, sd) = back.digests(backend)?;
+    let (wd, sd) = (back.weight, back.scale_digest());
     match ctx.format {
         WeightFormat::Fp8 { block } => {
             expect_digest(out, &wname, source_digest(layer, &wname), wd);
             let sname = checkpoint_name(layer.layer, param, Part::Scale);
-            match back.block_scales(backend, block) {
+            match back.block_scales(block) {
                 Ok(bytes) => expect_digest(out, &sname, source_digest(layer, &sname), Digest::of(&bytes)),
                 Err(e) => {
                     out.checked += 1;

@@ -154,3 +154,30 @@ fn dsv41_flash_tp4_kernel_shapes() {
     assert_eq!(shape("layers.0.attn.attn_sink"), ("F32", vec![16]));
     assert!(check_rank(&CpuBackend, &w, &source).ok);
 }
+
+/// The round trip (kernel tensors read back through the inverse hooks and permutations, hashed
+/// without copying them out) fails on every injected layout fault, naming the tensor, on FP8
+/// and BF16 sources; it passes on the same weights without the fault.
+#[test]
+fn the_round_trip_catches_every_injected_fault() {
+    use orchestrator_worker::faults::{Fault, inject_on};
+    for bf16 in [false, true] {
+        let config = ModelConfig::from_preset(Preset::Tiny, Some(2), bf16).unwrap();
+        let source = LoadSource::Dummy { config, generator: Generator::new(5) };
+        assert!(check_rank(&CpuBackend, &load(&source, 2, 1, ScaleRule::Rceil), &source).ok);
+        for (fault, tensor) in [
+            (Fault::SkipQPermutation, "wq_b"),
+            (Fault::DoubleQPermutation, "wq_b"),
+            (Fault::SkipOScaleChunkPermutation, "wo_a"),
+            (Fault::SwapHeads(0, 1), "wq_b"),
+            (Fault::StaleReload, "wo_a"),
+        ] {
+            let mut w = load(&source, 2, 1, ScaleRule::Rceil);
+            inject_on(&CpuBackend, &mut w, fault).unwrap();
+            let rt = check_rank(&CpuBackend, &w, &source);
+            assert!(!rt.ok, "{fault:?} (bf16 {bf16}) passed the round trip");
+            assert!(rt.failures.iter().any(|f| f.contains(&format!("attn.{tensor}"))), "{fault:?}: {:?}", rt.failures);
+            assert!(rt.failures.iter().all(|f| !f.contains("wo_b")), "{fault:?}: {:?}", rt.failures);
+        }
+    }
+}
