@@ -149,6 +149,12 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
     let preset: Preset = a.preset.parse()?;
     std::fs::create_dir_all(&a.dir).with_context(|| format!("--dir {}", a.dir.display()))?;
     let (ck_a, ck_b) = (checkpoint(&a.dir, preset, a.layers, 1)?, checkpoint(&a.dir, preset, a.layers, 2)?);
+    // Both versions from the page cache, so that the launch's load and the update's staging
+    // read the same way (a checkpoint evicted since it was written would charge the disk to one).
+    for ck in [&ck_a, &ck_b] {
+        let gbps = orchestrator_worker::bench::page_cache_read_rate(ck)?;
+        eprintln!("{} in the page cache (read at {gbps:.1} GB/s)", ck.display());
+    }
     let root = a.dir.canonicalize()?;
     let probe = format!("{},{},{}", a.probe.tokens, a.probe.latents, a.probe.seed);
     let launch_args: Vec<String> =
