@@ -5,7 +5,8 @@
 use orchestrator_worker::bench::run_gemm;
 
 fn main() -> anyhow::Result<()> {
-    let report = run_gemm(&[1, 16, 128])?;
+    let dir = std::env::var("BENCH_DIR").map(Into::into).unwrap_or_else(|_| std::path::PathBuf::from("../target/bench-ckpt"));
+    let report = run_gemm(&[1, 16, 128], &dir)?;
     print!("{}", report.render());
     Ok(())
 }

@@ -107,6 +107,9 @@ struct BenchGemmArgs {
     /// Token counts (GEMM M).
     #[arg(long, value_delimiter = ',', default_value = "1,16,128")]
     tokens: Vec<usize>,
+    /// Where the probe's one-layer checkpoint is synthesized (kept for later runs).
+    #[arg(long, default_value = "target/bench-ckpt")]
+    dir: PathBuf,
     #[arg(long)]
     json: bool,
 }
@@ -220,7 +223,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => args.run().map(|()| true),
         Command::BenchCuda(args) => bench_cuda(&args),
         Command::BenchGemm(args) => (|| {
-            let report = bench::run_gemm(&args.tokens)?;
+            let report = bench::run_gemm(&args.tokens, &args.dir)?;
             if args.json {
                 emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
             } else {
