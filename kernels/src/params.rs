@@ -206,15 +206,29 @@ pub fn block_scales_of(scale: &[u8], rows: usize, k: usize, block: [usize; 2]) -
         return Err(KernelError::Shape(format!("[{rows}, {k}] has no {bm}x{bk} blocks")));
     }
     let (brows, bcols) = (rows / bm, c / per);
-    let mut out = vec![0u8; brows * bcols];
-    for r in 0..rows {
-        for j in 0..c {
-            let v = scale[r * c + j];
-            let slot = &mut out[(r / bm) * bcols + j / per];
-            if r % bm == 0 && j % per == 0 {
-                *slot = v;
-            } else if *slot != v {
-                return Err(KernelError::Layout(format!("per-row scale ({r}, {j}) = {v} differs from its {bm}x{bk} block's {}", *slot)));
+    let mut out = Vec::with_capacity(brows * bcols);
+    // Each block row's first scale row must repeat every block's value `per` times; every other
+    // row of the block must equal that first row (a memcmp).
+    for (b, block) in scale.chunks_exact(bm * c).enumerate() {
+        let first = &block[..c];
+        for (jb, run) in first.chunks_exact(per).enumerate() {
+            if let Some(i) = run.iter().position(|&v| v != run[0]) {
+                let (r, j) = (b * bm, jb * per + i);
+                return Err(KernelError::Layout(format!(
+                    "per-row scale ({r}, {j}) = {} differs from its {bm}x{bk} block's {}",
+                    run[i], run[0]
+                )));
+            }
+            out.push(run[0]);
+        }
+        for (i, row) in block.chunks_exact(c).enumerate().skip(1) {
+            if row != first {
+                let j = row.iter().zip(first).position(|(a, b)| a != b).unwrap_or(0);
+                let r = b * bm + i;
+                return Err(KernelError::Layout(format!(
+                    "per-row scale ({r}, {j}) = {} differs from its {bm}x{bk} block's {}",
+                    row[j], first[j]
+                )));
             }
         }
     }
@@ -745,5 +759,45 @@ impl<B: Backend> KernelTensor<B> {
 
     fn expect_layout(&self, ok: bool, what: &str) -> Result<(), KernelError> {
         if ok { Ok(()) } else { Err(KernelError::Layout(format!("{what} kernel tensor has scale layout {:?}", self.scale_layout))) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Recompressing expanded block scales gives the block scales back; changing any one
+        /// per-row scale is an error naming that row and column.
+        #[test]
+        fn block_scales_invert_the_expansion(brows in 1usize..4, bcols in 1usize..4, bm_i in 0usize..3, bk_i in 0usize..3, seed: u8, at: usize) {
+            let (bm, bk) = ([1usize, 32, 128][bm_i], [32usize, 64, 128][bk_i]);
+            let (rows, k) = (brows * bm, bcols * bk);
+            let blocks: Vec<u8> = (0..brows * bcols).map(|i| seed.wrapping_add(i as u8 * 3) % 250).collect();
+            let mut per_row = Vec::new();
+            crate::backend::expand_block_scales(&blocks, rows, k, [bm, bk], &mut per_row).unwrap();
+            prop_assert_eq!(block_scales_of(&per_row, rows, k, [bm, bk]).unwrap(), blocks);
+            let at = at % per_row.len();
+            per_row[at] ^= 1;
+            let (c, (r, j)) = (k / BLOCK, (at / (k / BLOCK), at % (k / BLOCK)));
+            let e = block_scales_of(&per_row, rows, k, [bm, bk]);
+            if bm == 1 && bk == BLOCK {
+                prop_assert!(e.is_ok(), "every scale is its own block: {} columns", c); // nothing to disagree with
+            } else {
+                let msg = e.unwrap_err().to_string();
+                let named = msg.contains(&format!("({r}, {j})"));
+                // The first row and first column of a block define it: changing one of them shows
+                // as a disagreement at another position of the same block.
+                let defines = r % bm == 0 && j % (bk / BLOCK) == 0;
+                prop_assert!(named || defines, "{}", msg);
+            }
+        }
+    }
+
+    #[test]
+    fn block_scales_of_refuses_shapes_without_whole_blocks() {
+        assert!(matches!(block_scales_of(&[0; 6], 3, 64, [2, 32]), Err(KernelError::Shape(_))));
+        assert!(matches!(block_scales_of(&[0; 5], 2, 64, [2, 32]), Err(KernelError::Shape(_))));
     }
 }

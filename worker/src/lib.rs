@@ -1,6 +1,7 @@
 //! The orchestrator worker: loads one rank's shard of DeepSeek-V4.1 attention weights through
 //! the permuting pipeline, on a compute backend, and reports what its kernels will read.
 
+pub mod alloc;
 pub mod auth;
 pub mod background;
 pub mod bench;

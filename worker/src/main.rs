@@ -13,6 +13,10 @@ use orchestrator_worker::cli::DummyArgs;
 use orchestrator_worker::output::emit;
 use orchestrator_worker::{LoadSource, RankReport, load_and_report};
 
+/// Large buffers in huge pages (see the module): a fresh worker faults its weights in 2 MiB at a time.
+#[global_allocator]
+static ALLOC: orchestrator_worker::alloc::HugePageAlloc = orchestrator_worker::alloc::HugePageAlloc;
+
 #[derive(Parser)]
 #[command(name = "orchestrator-worker", version, about = "Loads DeepSeek-V4.1 attention shards into mega-attention kernel layouts")]
 struct Cli {
