@@ -178,10 +178,6 @@ impl<B: Backend, P, S> Mx<B, P, S> {
     pub fn scale_cols(&self) -> usize {
         self.k / BLOCK
     }
-    /// Digests of the E4M3 bytes and of the per-row scale bytes, in storage order.
-    pub fn digests(&self, backend: &B) -> Result<(Digest, Digest), KernelError> {
-        Ok((backend.digest(&self.weight)?, backend.digest(&self.scale)?))
-    }
     /// Host copies of the E4M3 bytes and per-row scales.
     pub fn to_host(&self, backend: &B) -> Result<(Vec<u8>, Vec<u8>), KernelError> {
         let (mut w, mut s) = (Vec::new(), Vec::new());
@@ -284,14 +280,6 @@ impl<B: Backend, P> Mx<B, P, CheckpointOrder> {
         let (w, s, d) = load_source(backend, source, rows, k, rule, BlockOrder::Identity, pool)?;
         Ok((mx(w, s, rows, k), d))
     }
-
-    /// The block scale `[rows/bm, k/bk]` these per-row scales were expanded from; an error if
-    /// any block's rows or columns disagree (then they did not come from block scales).
-    pub fn block_scales(&self, backend: &B, block: [usize; 2]) -> Result<Vec<u8>, KernelError> {
-        let mut host = Vec::new();
-        backend.download(&self.scale, &mut host)?;
-        block_scales_of(&host, self.rows, self.k, block)
-    }
 }
 
 impl<B: Backend> Mx<B, WqB, CheckpointOrder> {
@@ -321,13 +309,6 @@ impl<B: Backend> Mx<B, WqB, Fused> {
         }
         let (w, s, d) = load_source(backend, source, rows, k, rule, BlockOrder::Rows(q.rows()), pool)?;
         Ok((mx(w, s, rows, k), d))
-    }
-
-    /// Inverse of [`Mx::permute`] (for round-trip checks).
-    pub fn unpermute(self, backend: &B, q: &QPermutation, pool: &mut BufferPool<B>) -> Result<Mx<B, WqB, CheckpointOrder>, KernelError> {
-        let inv = q.rows().inverse();
-        let (w, s, rows, k) = gather_rows(backend, self.weight, self.scale, self.rows, self.k, &inv, pool)?;
-        Ok(mx(w, s, rows, k))
     }
 
     /// The CuteDSL MXFP8 linear hook: weight bytes stay `[N, K]` row-major (read as a `[K, N]`
@@ -364,13 +345,6 @@ impl<B: Backend> Mx<B, WoA, Fused> {
         }
         let (w, s, d) = load_source(backend, source, rows, k, rule, BlockOrder::Chunks(o.chunks()), pool)?;
         Ok((mx(w, s, rows, k), d))
-    }
-
-    /// Inverse of [`Mx::permute`].
-    pub fn unpermute(self, backend: &B, o: &OPermutation, pool: &mut BufferPool<B>) -> Result<Mx<B, WoA, CheckpointOrder>, KernelError> {
-        let inv = o.chunks().inverse();
-        let (w, s, rows, k) = gather_columns(backend, self.weight, self.scale, self.rows, self.k, &inv, pool)?;
-        Ok(mx(w, s, rows, k))
     }
 
     /// The `wo_a` BMM hook: weight viewed `[groups, rows/groups, k]`, scales packed as
@@ -622,28 +596,6 @@ impl<B: Backend> KernelTensor<B> {
         pool.give(self.scale);
     }
 
-    /// Inverse of the hooks: the per-row scale back in row-major `[rows, k/32]`, as the fused
-    /// (or, for `wo_b`, checkpoint-order) matrix the hook consumed. Copies; `self` is kept.
-    fn unhook<P, S>(&self, backend: &B, pool: &mut BufferPool<B>) -> Result<Mx<B, P, S>, KernelError> {
-        let rows: usize = self.weight_shape[..self.weight_shape.len() - 1].iter().product();
-        let k = *self.weight_shape.last().unwrap_or(&0);
-        let mut host = Vec::new();
-        backend.download(&self.weight, &mut host)?;
-        let mut weight = pool.take(backend, host.len());
-        backend.upload(&host, &mut weight)?;
-        let mut scale = pool.take(backend, rows * (k / BLOCK));
-        let r = match self.scale_layout {
-            ScaleLayout::Swizzled128x4 { rows, cols } => backend.unswizzle_128x4(&self.scale, rows, cols, &mut scale),
-            ScaleLayout::PackedUe8m0 { groups, rows, cols } => backend.unpack_ue8m0(&self.scale, groups, rows, cols, &mut scale),
-        };
-        if let Err(e) = r {
-            pool.give(weight);
-            pool.give(scale);
-            return Err(e);
-        }
-        Ok(Mx { weight, scale, rows, k, _layout: PhantomData })
-    }
-
     fn rows_and_k(&self) -> (usize, usize) {
         let rows: usize = self.weight_shape[..self.weight_shape.len().saturating_sub(1)].iter().product();
         (rows, *self.weight_shape.last().unwrap_or(&0))
@@ -739,22 +691,6 @@ impl<B: Backend> KernelTensor<B> {
     pub fn wo_b_in_checkpoint_order(&self, backend: &B, pool: &mut BufferPool<B>) -> Result<CheckpointOrderView, KernelError> {
         self.expect_layout(matches!(self.scale_layout, ScaleLayout::Swizzled128x4 { .. }), "wo_b")?;
         self.view_through(backend, pool, None, None)
-    }
-
-    /// `wq_b`: undo the linear hook, giving the fused matrix back.
-    pub fn unhook_wq_b(&self, backend: &B, pool: &mut BufferPool<B>) -> Result<Mx<B, WqB, Fused>, KernelError> {
-        self.expect_layout(matches!(self.scale_layout, ScaleLayout::Swizzled128x4 { .. }), "wq_b")?;
-        self.unhook(backend, pool)
-    }
-    /// `wo_a`: undo the BMM hook, giving the fused matrix back.
-    pub fn unhook_wo_a(&self, backend: &B, pool: &mut BufferPool<B>) -> Result<Mx<B, WoA, Fused>, KernelError> {
-        self.expect_layout(matches!(self.scale_layout, ScaleLayout::PackedUe8m0 { .. }), "wo_a")?;
-        self.unhook(backend, pool)
-    }
-    /// `wo_b`: undo the linear hook, giving checkpoint order back.
-    pub fn unhook_wo_b(&self, backend: &B, pool: &mut BufferPool<B>) -> Result<Mx<B, WoB, CheckpointOrder>, KernelError> {
-        self.expect_layout(matches!(self.scale_layout, ScaleLayout::Swizzled128x4 { .. }), "wo_b")?;
-        self.unhook(backend, pool)
     }
 
     fn expect_layout(&self, ok: bool, what: &str) -> Result<(), KernelError> {
