@@ -622,9 +622,12 @@ impl Cluster {
         futures_util::future::join_all(per_group).await.into_iter().flatten().collect()
     }
 
-    /// Runs the probe on every rank's active weights.
-    pub async fn probe(&self, tokens: u32, latents: u32, seed: u64) -> RankResults<pb::ProbeResult> {
-        self.probe_in(None, (tokens, latents, seed), false, false).await
+    /// Probes every replica of `plan` on its active weights, concurrently: a replica mapped to
+    /// `None` checks against the reference, one mapped to another replica runs only its
+    /// kernel pass ([`crate::consistency::reference_plan`]).
+    pub async fn probe_planned(&self, probe: (u32, u32, u64), plan: &BTreeMap<u32, Option<u32>>) -> RankResults<pb::ProbeResult> {
+        let groups = plan.iter().map(|(&dp, by)| self.probe_in(Some(dp), probe, false, by.is_some()));
+        futures_util::future::join_all(groups).await.into_iter().flatten().collect()
     }
 
     /// Every rank's report.
@@ -644,11 +647,22 @@ impl Cluster {
 
     /// Stages `source` on every rank of replica `dp` (shadow buffers; the active weights keep
     /// serving): seconds and the staged version, by worker.
-    pub async fn stage(&self, dp: u32, source: &pb::LoadSource) -> RankResults<(f64, String)> {
+    /// Asks every rank of replica `dp` to stage `source` beside its active weights; with
+    /// `reference`, each rank also prepares that probe's reference for the staged version.
+    pub async fn stage(
+        &self,
+        dp: u32,
+        source: &pb::LoadSource,
+        reference: Option<orchestrator_worker::probe::ProbeSpec>,
+    ) -> RankResults<(f64, String)> {
+        let reference = reference.map(|p| pb::ReferenceProbe { tokens: p.tokens as u32, latents: p.latents as u32, seed: p.seed });
         self.fan_out_in(Some(dp), |w, mut client| {
             let label = w.label();
-            let req =
-                orchestrator_worker::auth::request(pb::StageRequest { source: Some(source.clone()) }, LOAD_DEADLINE, Some(&self.token));
+            let req = orchestrator_worker::auth::request(
+                pb::StageRequest { source: Some(source.clone()), reference },
+                LOAD_DEADLINE,
+                Some(&self.token),
+            );
             async move {
                 let mut stream = client.stage(req).await.map_err(|s| format!("{label}: stage: {}", s.message()))?.into_inner();
                 loop {

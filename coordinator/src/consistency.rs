@@ -63,6 +63,12 @@ pub struct ProbeCell {
     pub kernel_seconds: f64,
     pub reference_seconds: f64,
     pub allreduce_seconds: f64,
+    /// Set when this probe ran only the kernel pass: the rank's replica holds byte for byte
+    /// what the same tp_rank of this earlier replica holds (version, kernel and source
+    /// digests, round trip), and that replica's probe ran the reference. Its verdict is that
+    /// replica's, and its `y` must equal that replica's ("every DP replica has the same y").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verified_by_replica: Option<u32>,
 }
 
 impl From<&pb::ProbeResult> for ProbeCell {
@@ -78,8 +84,33 @@ impl From<&pb::ProbeResult> for ProbeCell {
             kernel_seconds: p.kernel_seconds,
             reference_seconds: p.reference_seconds,
             allreduce_seconds: p.allreduce_seconds,
+            verified_by_replica: None,
         }
     }
+}
+
+/// Which replicas of a report run the checkpoint-order reference, and which are verified as
+/// byte-identical to one that does (the rule an update applies, for the same reason: a version
+/// is verified once per tp_rank). Replica `dp` maps to `None` (it runs the reference) or to the
+/// earlier replica whose every tp_rank reported the same version, kernel digest and source
+/// digest with a passing round trip. A replica with a rank that did not report, or whose round
+/// trip failed, runs the reference.
+pub fn reference_plan(tp_size: u32, dp_size: u32, reports: &[(u32, u32, &pb::RankReport)]) -> BTreeMap<u32, Option<u32>> {
+    let key = |dp: u32| -> Option<Vec<(&str, &str, &str)>> {
+        (0..tp_size)
+            .map(|tp| {
+                let (_, _, r) = reports.iter().find(|(d, t, _)| *d == dp && *t == tp)?;
+                r.round_trip_ok.then_some((r.checkpoint_version.as_str(), r.kernel_rank_digest.as_str(), r.source_rank_digest.as_str()))
+            })
+            .collect()
+    };
+    let mut plan: BTreeMap<u32, Option<u32>> = BTreeMap::new();
+    for dp in 0..dp_size {
+        let mine = key(dp);
+        let by = mine.as_ref().and_then(|k| plan.iter().find(|(e, by)| by.is_none() && key(**e).as_ref() == Some(k)).map(|(e, _)| *e));
+        plan.insert(dp, by);
+    }
+    plan
 }
 
 /// A rank that did not report (it failed).
@@ -385,6 +416,16 @@ pub fn evaluate(
                 .iter()
                 .filter_map(|r| {
                     let p = r.probe.as_ref()?;
+                    if let Some(e) = p.verified_by_replica {
+                        let theirs = probed.iter().find(|o| o.dp == e && o.tp == r.tp).and_then(|o| o.probe.as_ref());
+                        return match theirs {
+                            Some(t) if t.ok && t.verified_by_replica.is_none() => None,
+                            _ => Some(Finding::new(
+                                format!("{}: byte-identical to dp{e}/tp{}, whose probe against the reference did not pass", label(r), r.tp),
+                                [RankId::of(r)],
+                            )),
+                        };
+                    }
                     (!p.ok).then(|| {
                         Finding::new(
                             format!(
@@ -483,6 +524,7 @@ impl ConsistencyReport {
         );
         for r in &self.ranks {
             let probe = match &r.probe {
+                Some(ProbeCell { verified_by_replica: Some(e), .. }) => format!("= dp{e} (identical)"),
                 Some(p) => format!("{:.1e} / {}", p.z_max_abs_err, p.q_mismatches),
                 None => "-".into(),
             };
@@ -588,6 +630,74 @@ mod tests {
         };
         let probe = pb::ProbeResult { ok: true, y_digest: format!("y-{version}"), ..Default::default() };
         row(dp * 2 + tp, &r, Some(&probe))
+    }
+
+    fn report(dp: u32, tp: u32, version: &str, kernel: &str, round_trip_ok: bool) -> pb::RankReport {
+        pb::RankReport {
+            dp_rank: dp,
+            tp_rank: tp,
+            checkpoint_version: version.into(),
+            kernel_rank_digest: format!("{kernel}-tp{tp}"),
+            source_rank_digest: format!("src-{version}-tp{tp}"),
+            round_trip_ok,
+            ..Default::default()
+        }
+    }
+
+    /// A replica runs the reference unless an earlier replica that ran it holds, on every
+    /// tp_rank, the same version, kernel digest and source digest with passing round trips.
+    #[test]
+    fn the_reference_runs_once_per_identical_set_of_ranks() {
+        let reports = [
+            report(0, 0, "va", "k", true),
+            report(0, 1, "va", "k", true),
+            report(1, 0, "va", "k", true),
+            report(1, 1, "va", "k", true),
+            // dp2: tp1 differs from dp0's (a stale reload, say).
+            report(2, 0, "va", "k", true),
+            report(2, 1, "va", "stale", true),
+            // dp3: identical to dp0, but its round trip failed.
+            report(3, 0, "va", "k", true),
+            report(3, 1, "va", "k", false),
+            // dp4: another version; dp5 the same as dp4; dp6 lacks its tp1 report.
+            report(4, 0, "vb", "k", true),
+            report(4, 1, "vb", "k", true),
+            report(5, 0, "vb", "k", true),
+            report(5, 1, "vb", "k", true),
+            report(6, 0, "va", "k", true),
+        ];
+        let by_rank: Vec<(u32, u32, &pb::RankReport)> = reports.iter().map(|r| (r.dp_rank, r.tp_rank, r)).collect();
+        let plan = reference_plan(2, 7, &by_rank);
+        let want: BTreeMap<u32, Option<u32>> =
+            [(0, None), (1, Some(0)), (2, None), (3, None), (4, None), (5, Some(4)), (6, None)].into_iter().collect();
+        assert_eq!(plan, want);
+    }
+
+    /// A rank verified by identity passes the tolerance rule only when the same tp_rank of the
+    /// replica it is identical to passed against the reference.
+    #[test]
+    fn an_identity_verified_rank_takes_the_verdict_of_the_replica_it_matches() {
+        let rows = |dp0_ok: bool| {
+            let mut rows = vec![ranked(0, 0, "va"), ranked(0, 1, "va"), ranked(1, 0, "va"), ranked(1, 1, "va")];
+            for r in rows.iter_mut() {
+                let p = r.probe.as_mut().expect("probed");
+                if r.dp == 1 {
+                    p.verified_by_replica = Some(0);
+                } else if r.tp == 1 {
+                    p.ok = dp0_ok;
+                }
+            }
+            rows
+        };
+        let passing = evaluate(2, 2, "t".into(), rows(true), None, BTreeMap::new(), false);
+        assert!(passing.ok, "{:?}", failed_rules(&passing));
+        assert!(passing.render().contains("= dp0 (identical)"));
+        let failing = evaluate(2, 2, "t".into(), rows(false), None, BTreeMap::new(), false);
+        let rule = failing.rules.iter().find(|r| r.id == "probe_tolerance").expect("the tolerance rule");
+        let named = &rule.findings;
+        assert_eq!(named.len(), 2, "{named:?}");
+        assert!(named[0].starts_with("rank dp0/tp1: q differs"), "{named:?}");
+        assert_eq!(named[1], "rank dp1/tp1: byte-identical to dp0/tp1, whose probe against the reference did not pass");
     }
 
     fn failed_rules(r: &ConsistencyReport) -> Vec<&str> {

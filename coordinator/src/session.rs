@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use orchestrator_proto::limits;
+use orchestrator_proto::v1 as pb;
 use orchestrator_worker::auth::AllowedRoots;
 use orchestrator_worker::probe::ProbeSpec;
 
@@ -74,9 +75,17 @@ impl Session {
         let mut probe_errors: BTreeMap<u32, String> = BTreeMap::new();
         let mut probes = BTreeMap::new();
         let mut timings = self.state().timings.clone();
+        // Reports first: which replicas are byte-identical to an earlier one decides which run
+        // the reference.
+        let t = Instant::now();
+        let reports = self.cluster.reports().await;
+        let report_s = t.elapsed().as_secs_f64();
+        let by_rank: Vec<(u32, u32, &pb::RankReport)> =
+            self.cluster.workers.iter().filter_map(|w| reports.get(&w.id).and_then(|r| r.as_ref().ok()).map(|r| (w.dp, w.tp, r))).collect();
+        let plan = crate::consistency::reference_plan(self.cluster.tp, self.cluster.dp, &by_rank);
         let t = Instant::now();
         if let (Some(spec), true) = (self.probe, probe) {
-            let results = self.cluster.probe(spec.tokens as u32, spec.latents as u32, spec.seed).await;
+            let results = self.cluster.probe_planned((spec.tokens as u32, spec.latents as u32, spec.seed), &plan).await;
             for dp in 0..self.cluster.dp {
                 let group: crate::cluster::RankResults<_> = self
                     .cluster
@@ -105,7 +114,6 @@ impl Session {
             timings.insert("probe".into(), t.elapsed().as_secs_f64());
         }
         let t = Instant::now();
-        let reports = self.cluster.reports().await;
         let mut rows = Vec::new();
         for w in &self.cluster.workers {
             let dead = self.cluster.health(w).await.filter(|(dead, _)| *dead).map(|(_, why)| format!("dead: {why}"));
@@ -115,6 +123,9 @@ impl Session {
                     // The rank's own load time: of the version it serves (after an update, its
                     // staging), not the launch's.
                     let mut rr = row(w.id, r, probes.get(&w.id));
+                    if let Some(p) = rr.probe.as_mut() {
+                        p.verified_by_replica = plan.get(&w.dp).copied().flatten();
+                    }
                     rr.probe_error = probe_errors.get(&w.id).cloned();
                     rows.push(rr);
                 }
@@ -122,7 +133,7 @@ impl Session {
                 (None, None) => rows.push(failed_row(w.id, w.dp, w.tp, "no report".into())),
             }
         }
-        timings.insert("report".into(), t.elapsed().as_secs_f64());
+        timings.insert("report".into(), report_s + t.elapsed().as_secs_f64());
         self.state().timings = timings.clone();
         self.cluster.annotate(&mut rows);
         let mut report = evaluate(

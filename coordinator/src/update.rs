@@ -84,10 +84,10 @@ pub async fn routed_probe(cluster: &Cluster, rotation: &Rotation, spec: ProbeSpe
             pb::RoutedProbeResult { ok: true, replica, checkpoint_version: version, error: String::new() }
         }
         Err(why) => {
-            // An update that took the replica meanwhile owns it (and proves it itself).
-            if !rotation.state(replica).owned_by_update {
-                rotation.pull(replica, &format!("a routed probe failed: {why}"));
-            }
+            // Out of rotation at once, even when an update owns the replica (a replica keeps
+            // serving while it stages): the update, or else the health loop, proves it again
+            // before it serves.
+            rotation.pull(replica, &format!("a routed probe failed: {why}"));
             tracing::warn!(replica, "routed probe failed, replica out of rotation: {why}");
             pb::RoutedProbeResult {
                 ok: false,
@@ -354,11 +354,16 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             if let Err(e) = record(Event::UpdateStep { update, dp, step: Step::Staging }) {
                 failure.get_or_insert((dp, e));
             }
-            rotation.take_for_update(dp, cluster.dp > 1);
+            // Staged beside its active weights, the replica keeps serving them; it leaves
+            // rotation only to be verified and swapped.
+            rotation.take_for_update(dp, false);
         }
         let staged = if failure.is_none() {
             let proof = verified.as_ref();
-            futures_util::future::join_all(group.iter().map(|&dp| stage_and_verify(cluster, dp, &source, &new_version, probe, proof))).await
+            futures_util::future::join_all(
+                group.iter().map(|&dp| stage_and_verify(cluster, rotation, dp, &source, &new_version, probe, proof)),
+            )
+            .await
         } else {
             Vec::new()
         };
@@ -606,8 +611,13 @@ struct Staged {
     proof: VerifiedVersion,
 }
 
+/// Stages replica `dp` while it serves its active weights, then takes it out of rotation (when
+/// another replica can serve) and verifies what it staged. The first replica of a version
+/// prepares the reference while it stages, so that its verification probe, out of rotation,
+/// runs only the kernel pass against it.
 async fn stage_and_verify(
     cluster: &Cluster,
+    rotation: &Rotation,
     dp: u32,
     source: &pb::LoadSource,
     new_version: &str,
@@ -616,7 +626,8 @@ async fn stage_and_verify(
 ) -> Result<Staged, VerifyFailure> {
     use VerifyRule::*;
     let t = Instant::now();
-    let staged = cluster.stage(dp, source).await;
+    let reference = verified.is_none().then_some(probe);
+    let staged = cluster.stage(dp, source, reference).await;
     for (id, r) in &staged {
         let (_, version) = r.as_ref().map_err(|e| unreachable_rank(e))?;
         if version != new_version {
@@ -624,6 +635,7 @@ async fn stage_and_verify(
         }
     }
     let stage_s = t.elapsed().as_secs_f64();
+    rotation.take_for_update(dp, cluster.dp > 1);
     // Verify the staged version: round trips and versions, then probes and agreement on y.
     let t = Instant::now();
     let reports = cluster.reports_in(Some(dp), true).await;
@@ -690,7 +702,7 @@ async fn stage_and_verify(
     }
     let y = ys.first().cloned().unwrap_or_default();
     let how = match verified {
-        None => format!("verified against the reference (round trips, probes, y {y})"),
+        None => format!("verified against the reference prepared while staging (round trips, probes, y {y})"),
         Some(v) => format!("verified as byte-identical to dp{} (round trips, digests of every rank, y {y})", v.dp),
     };
     Ok(Staged {

@@ -11,9 +11,28 @@ const HUGE_PAGE: usize = 2 << 20;
 
 pub struct HugePageAlloc;
 
+std::thread_local! {
+    /// Set on threads whose allocations must not be advised (see [`small_pages_on_this_thread`]).
+    static SMALL_PAGES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Large buffers allocated by the calling thread from now on keep 4 KiB pages (they stay 2 MiB
+/// aligned). Background work beside serving calls it: a huge-page fault is one uninterruptible
+/// stretch of 2 MiB (and, in a VM whose host reclaims free guest memory, a host fault of 2 MiB
+/// that the guest scheduler cannot preempt), which stalls the core a serving probe wants;
+/// 4 KiB faults leave the scheduler a chance between every page.
+pub fn small_pages_on_this_thread() {
+    SMALL_PAGES.with(|s| s.set(true));
+}
+
+/// Whether large buffers allocated by the calling thread get huge pages.
+pub fn advises_on_this_thread() -> bool {
+    !SMALL_PAGES.with(|s| s.get())
+}
+
 fn advise(ptr: *mut u8, size: usize) {
     #[cfg(target_os = "linux")]
-    if !ptr.is_null() {
+    if !ptr.is_null() && advises_on_this_thread() {
         // SAFETY: the range lies inside the allocation just made; MADV_HUGEPAGE changes no
         // contents, and a kernel without THP answers EINVAL, which changes nothing either.
         unsafe {

@@ -1,9 +1,13 @@
-//! Serving first: work a rank does beside serving (staging a new version) runs on a thread
-//! pool of its own whose threads run at a lower scheduling priority (nice +10), so that the
+//! Serving first: work a rank does beside serving (staging a new version, opening it, its
+//! reference, round trip and verification probe) runs on a thread pool of its own whose
+//! threads run under `SCHED_IDLE` (and nice +10 where that policy cannot be set), so that the
 //! probes of the version that serves, on rayon's global pool at normal priority, never queue
-//! behind it: rayon jobs of the two pools never share a queue, and the kernel gives the
-//! serving threads the cores whenever both want them. The pool has as many threads as the
-//! machine has cores (bounded), and is made once per process.
+//! behind it: rayon jobs of the two pools never share a queue, and the kernel runs background
+//! threads only on cores that serving leaves idle (a nice +10 thread still took about a tenth
+//! of a contended core: `bench update` measured probe p50 during an update 0.20-0.23 s under
+//! nice +10 and 0.13-0.14 s under SCHED_IDLE, 0.12-0.13 s before it). Their large buffers keep
+//! 4 KiB pages ([`crate::alloc::small_pages_on_this_thread`]). The pool has as many threads as
+//! the machine has cores (bounded), and is made once per process.
 
 use std::sync::OnceLock;
 
@@ -17,7 +21,10 @@ fn pool() -> &'static rayon::ThreadPool {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("background-{i}"))
-            .start_handler(|_| lower_this_thread())
+            .start_handler(|_| {
+                lower_this_thread();
+                crate::alloc::small_pages_on_this_thread();
+            })
             .build()
             .unwrap_or_else(|_| rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a one-thread pool"))
     })
@@ -32,6 +39,10 @@ fn lower_this_thread() {
     unsafe {
         let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
         let _ = libc::setpriority(libc::PRIO_PROCESS, tid, BACKGROUND_NICE);
+        // SCHED_IDLE: the thread runs when a core has nothing else to run (its nice value
+        // stays as the fallback where the policy cannot be set).
+        let param = libc::sched_param { sched_priority: 0 };
+        let _ = libc::sched_setscheduler(tid as libc::pid_t, libc::SCHED_IDLE, &param);
     }
 }
 
@@ -55,6 +66,15 @@ mod tests {
         });
         assert!(name.is_some_and(|n| n.starts_with("background-")));
         assert!(nice >= super::BACKGROUND_NICE, "nice {nice}");
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: sched_getscheduler reads the calling thread's policy (0: this thread).
+            let policy = super::run(|| unsafe { libc::sched_getscheduler(0) });
+            assert_eq!(policy, libc::SCHED_IDLE);
+            let huge = super::run(crate::alloc::advises_on_this_thread);
+            assert!(!huge, "background threads keep 4 KiB pages");
+            assert!(crate::alloc::advises_on_this_thread());
+        }
         // Serving threads keep their priority.
         assert!(!std::thread::current().name().is_some_and(|n| n.starts_with("background-")));
     }

@@ -250,6 +250,10 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         self.backend
     }
 
+    pub fn rule(&self) -> ScaleRule {
+        self.rule
+    }
+
     pub fn identity(&self) -> LayoutIdentity {
         LayoutIdentity::new(&self.geometry, &self.shard, self.format, self.rule)
     }

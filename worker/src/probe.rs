@@ -26,6 +26,13 @@ pub struct ProbeSpec {
     pub seed: u64,
 }
 
+/// As it is written on the command line: `T,S,SEED`.
+impl std::fmt::Display for ProbeSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{},{},{}", self.tokens, self.latents, self.seed)
+    }
+}
+
 impl std::str::FromStr for ProbeSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -93,6 +100,10 @@ impl ReferenceCache {
         found
     }
 
+    fn contains(&self, key: &ReferenceKey) -> bool {
+        self.entries.iter().any(|(k, _)| k == key)
+    }
+
     fn put(&mut self, key: ReferenceKey, outputs: Vec<ProbeOutput>) {
         self.entries.retain(|(k, _)| k != &key);
         if self.entries.len() == Self::CAPACITY {
@@ -136,10 +147,10 @@ pub struct RankProbe {
     pub y_partial: Vec<f32>,
 }
 
-fn shape_of<B: Backend>(g: &Geometry, w: &RankWeights<B>) -> ProbeShape {
+fn shape_of(g: &Geometry, shard: &orchestrator_model::RankShard) -> ProbeShape {
     ProbeShape {
-        heads: w.shard.n_local_heads,
-        groups: w.shard.n_local_groups,
+        heads: shard.n_local_heads,
+        groups: shard.n_local_groups,
         head_dim: g.head_dim,
         rope_dim: g.rope_dim,
         q_lora: g.q_lora_rank,
@@ -184,7 +195,7 @@ pub fn probe_rank_with<B: Backend + Sync>(
 ) -> Result<RankProbe, LoadError> {
     let backend = loader.backend();
     let g = &weights.identity.geometry;
-    let shape = shape_of(g, weights);
+    let shape = shape_of(g, &weights.shard);
     let inputs = spec.inputs(g).map_err(|e| LoadError::Config(format!("probe inputs: {e}")))?;
     let key: ReferenceKey = (source.version(), weights.identity.tp_size, weights.identity.rank, rule, spec);
     let kept = match (check, cache.as_deref_mut()) {
@@ -208,8 +219,7 @@ pub fn probe_rank_with<B: Backend + Sync>(
             match kept.as_ref().and_then(|k| k.get(i)) {
                 Some(want) => layers.push(check_layer(layer.layer, &shape, &kernel, want)),
                 None => {
-                    let reference = loader.reference_layer(source, layer.layer)?;
-                    let want = run_reference(&shape, &inputs, &reference, rule).map_err(bad)?;
+                    let want = reference_output(loader, source, &shape, &inputs, layer.layer, rule)?;
                     layers.push(check_layer(layer.layer, &shape, &kernel, &want));
                     computed.push(want);
                 }
@@ -249,6 +259,48 @@ pub fn probe_rank_with<B: Backend + Sync>(
         reference_s,
         y_partial,
     })
+}
+
+/// The plain path's output of one layer: its checkpoint-order weights re-read and dequantized,
+/// then the reference GEMMs (independent of every kernel layout).
+fn reference_output<B: Backend + Sync>(
+    loader: &RankLoader<'_, B>,
+    source: &LoadSource,
+    shape: &ProbeShape,
+    inputs: &ProbeInputs,
+    layer: usize,
+    rule: ScaleRule,
+) -> Result<ProbeOutput, LoadError> {
+    let reference = loader.reference_layer(source, layer)?;
+    run_reference(shape, inputs, &reference, rule).map_err(|e| LoadError::Config(format!("probe of layer {layer}: {e}")))
+}
+
+/// Computes the reference of `spec` for every layer of `source` on this rank and keeps it in
+/// `cache` (unless it is there already), so that a later checked probe of a version loaded from
+/// `source` runs only its kernel pass and compares against exactly what the reference gives.
+/// It needs no loaded weights (the reference reads the checkpoint), so a stage runs it beside
+/// its load; the cache is locked only to look up and to store, never while computing.
+/// Returns the seconds the reference took (0 when it was kept already).
+pub fn prepare_reference<B: Backend + Sync>(
+    loader: &RankLoader<'_, B>,
+    source: &LoadSource,
+    spec: ProbeSpec,
+    cache: &std::sync::Mutex<ReferenceCache>,
+) -> Result<f64, LoadError> {
+    let rule = loader.rule();
+    let shard = loader.shard();
+    let key: ReferenceKey = (source.version(), shard.tp_size, shard.rank, rule, spec);
+    if cache.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
+        return Ok(0.0);
+    }
+    let t = Instant::now();
+    let g = &source.config().geometry;
+    let shape = shape_of(g, shard);
+    let inputs = spec.inputs(g).map_err(|e| LoadError::Config(format!("probe inputs: {e}")))?;
+    let outputs =
+        (0..g.layers).map(|layer| reference_output(loader, source, &shape, &inputs, layer, rule)).collect::<Result<Vec<_>, _>>()?;
+    cache.lock().unwrap_or_else(|p| p.into_inner()).put(key, outputs);
+    Ok(t.elapsed().as_secs_f64())
 }
 
 /// The pass on the kernel tensors where they live: every GEMM runs on the backend

@@ -207,15 +207,23 @@ impl WorkerService {
     }
 
     /// [`WorkerService::load_stream`] started from a blocking thread (it takes the state lock).
-    async fn load_stream_blocking(&self, reload_from: Option<LoadSource>, shadow: bool) -> Result<ProgressStream, Status> {
+    async fn load_stream_blocking(
+        &self,
+        reload_from: Option<LoadSource>,
+        shadow: bool,
+        reference: Option<ProbeSpec>,
+    ) -> Result<ProgressStream, Status> {
         let service = self.clone();
-        tokio::task::spawn_blocking(move || service.load_stream(reload_from, shadow)).await.map_err(|e| Status::internal(e.to_string()))?
+        tokio::task::spawn_blocking(move || service.load_stream(reload_from, shadow, reference))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
     }
 
     /// Runs a load or reload on a blocking thread, streaming per-layer progress.
     /// `shadow`: load `reload_from` into fresh shadow buffers beside the active weights
-    /// (a staged update) instead of into the active ones.
-    fn load_stream(&self, reload_from: Option<LoadSource>, shadow: bool) -> Result<ProgressStream, Status> {
+    /// (a staged update) instead of into the active ones; with `reference`, the stage then also
+    /// prepares that probe's reference for the staged version (beside serving, like the load).
+    fn load_stream(&self, reload_from: Option<LoadSource>, shadow: bool, reference: Option<ProbeSpec>) -> Result<ProgressStream, Status> {
         let (source, tp, rank, dp_rank, rule, fault, total, dump_dir, epoch) = {
             let mut st = lock(&self.state);
             if shadow {
@@ -255,8 +263,10 @@ impl WorkerService {
         let (tx, rx) = mpsc::channel(total + 2);
         let state = self.state.clone();
         let backend = self.backend.clone();
+        let reference_cache = self.reference_cache.clone();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
+            let mut reference_s = 0.0;
             let done = std::sync::atomic::AtomicUsize::new(0);
             let progress = |_layer: usize| {
                 let n = done.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
@@ -283,6 +293,10 @@ impl WorkerService {
                     // Beside serving: on the background pool, below the probes' priority.
                     let mut w = crate::background::run(|| loader.load_with_progress(&source, &progress))
                         .map_err(|e| Status::internal(format!("stage: {e:#}")))?;
+                    if let Some(spec) = reference {
+                        reference_s = crate::background::run(|| crate::probe::prepare_reference(&loader, &source, spec, &reference_cache))
+                            .map_err(|e| Status::internal(format!("stage: the reference of probe {spec}: {e:#}")))?;
+                    }
                     if fault == pb::Fault::StageSkipPermute {
                         inject_on(backend, &mut w, Fault::SkipQPermutation)
                             .map_err(|e| Status::internal(format!("fault injection: {e}")))?;
@@ -311,7 +325,11 @@ impl WorkerService {
                 }
                 Ok(w)
             })();
-            let seconds = started.elapsed().as_secs_f64();
+            // The load alone (a prepared reference is not part of it).
+            let seconds = started.elapsed().as_secs_f64() - reference_s;
+            if reference_s > 0.0 {
+                tracing::info!(tp_rank = rank, replica = dp_rank, seconds = reference_s, "prepared the staged version's reference");
+            }
             match result {
                 Ok(w) => {
                     let version = source.version();
@@ -408,7 +426,7 @@ impl Worker for WorkerService {
 
     async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<Self::LoadStream>, Status> {
         self.not_ready().await;
-        self.load_stream_blocking(None, false).await.map(Response::new)
+        self.load_stream_blocking(None, false, None).await.map(Response::new)
     }
 
     type ReloadStream = ProgressStream;
@@ -442,17 +460,29 @@ impl Worker for WorkerService {
             }
         };
         self.not_ready().await;
-        self.load_stream_blocking(source, false).await.map(Response::new)
+        self.load_stream_blocking(source, false, None).await.map(Response::new)
     }
 
     type StageStream = ProgressStream;
 
     async fn stage(&self, request: Request<pb::StageRequest>) -> Result<Response<Self::StageStream>, Status> {
-        let s = request.into_inner().source.ok_or_else(|| Status::invalid_argument("stage: source is missing"))?;
+        let r = request.into_inner();
+        let s = r.source.ok_or_else(|| Status::invalid_argument("stage: source is missing"))?;
+        let reference = match r.reference {
+            Some(p) => {
+                let spec = ProbeSpec { tokens: p.tokens as usize, latents: p.latents as usize, seed: p.seed };
+                orchestrator_model::limits::check_probe(spec.tokens, spec.latents)
+                    .map_err(|e| Status::invalid_argument(format!("stage: reference: {e}")))?;
+                Some(spec)
+            }
+            None => None,
+        };
         let roots = self.roots.clone();
-        let source =
-            tokio::task::spawn_blocking(move || source_from(Some(&s), &roots)).await.map_err(|e| Status::internal(e.to_string()))??;
-        self.load_stream_blocking(Some(source), true).await.map(Response::new)
+        // Opening the new version hashes its content: background work too, off the serving pool.
+        let source = tokio::task::spawn_blocking(move || crate::background::run(|| source_from(Some(&s), &roots)))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        self.load_stream_blocking(Some(source), true, reference).await.map(Response::new)
     }
 
     async fn commit(&self, request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {

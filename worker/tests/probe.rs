@@ -164,3 +164,31 @@ fn a_kept_reference_gives_the_same_verdict_and_still_catches_a_fault() {
     probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
     assert_eq!(cache.misses, misses + 1, "the oldest entry was dropped");
 }
+
+/// A reference prepared before any weights are loaded (as a stage prepares it beside its load)
+/// is the one a checked probe then uses: the probe hits it, gives bit for bit the verdict of a
+/// probe that computed its own, and a fault injected afterwards still fails against it.
+/// Preparing twice computes once.
+#[test]
+fn a_prepared_reference_is_what_the_probe_checks_against() {
+    use orchestrator_worker::probe::{ReferenceCache, prepare_reference, probe_rank_with};
+    let source = dummy(Preset::Tiny, 2, false, 33);
+    let loader = RankLoader::new(&CpuBackend, source.config(), 2, 1, ScaleRule::Rceil).unwrap();
+    let spec = ProbeSpec { tokens: 3, latents: 16, seed: 5 };
+    let cache = std::sync::Mutex::new(ReferenceCache::default());
+    let first = prepare_reference(&loader, &source, spec, &cache).unwrap();
+    assert!(first > 0.0);
+    assert_eq!(prepare_reference(&loader, &source, spec, &cache).unwrap(), 0.0, "kept already");
+    let mut w = loader.load(&source).unwrap();
+    let mut cache = cache.into_inner().unwrap();
+    let prepared = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
+    assert_eq!((cache.misses, cache.hits), (0, 1));
+    let computed = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, None).unwrap();
+    assert!(prepared.ok && computed.ok);
+    assert_eq!(prepared.y_partial_digest, computed.y_partial_digest);
+    assert_eq!(prepared.z_max_abs_err.to_bits(), computed.z_max_abs_err.to_bits());
+    assert_eq!(prepared.y_max_abs_err.to_bits(), computed.y_max_abs_err.to_bits());
+    inject(&mut w, Fault::SkipQPermutation).unwrap();
+    let caught = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
+    assert!(!caught.ok && caught.layers.iter().all(|l| l.q_mismatches > 0), "{caught:?}");
+}

@@ -78,8 +78,29 @@ pub struct UpdateBench {
     pub during: Latency,
     pub p99_during_over_before: f64,
     pub update_ok: bool,
+    /// The slowest probes during the update: when each was sent (seconds after the update
+    /// began), its latency, and the replica and version that answered.
+    pub slowest_during: Vec<SlowProbe>,
     pub steps: Vec<String>,
     pub errors: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SlowProbe {
+    pub sent_s: f64,
+    pub latency_s: f64,
+    pub replica: String,
+    pub version: String,
+}
+
+fn slowest(samples: &[Sample], n: usize) -> Vec<SlowProbe> {
+    let mut by_latency: Vec<&Sample> = samples.iter().collect();
+    by_latency.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    by_latency
+        .into_iter()
+        .take(n)
+        .map(|s| SlowProbe { sent_s: s.sent.as_secs_f64(), latency_s: s.ms / 1e3, replica: s.replica.clone(), version: s.version.clone() })
+        .collect()
 }
 
 fn checkpoint(dir: &Path, preset: Preset, layers: usize, seed: u64) -> anyhow::Result<PathBuf> {
@@ -205,6 +226,7 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
         let steps =
             doc["update"]["steps"].as_array().map(|v| v.iter().filter_map(|s| s.as_str().map(String::from)).collect()).unwrap_or_default();
         let errors = during.iter().chain(&before).filter(|s| !s.ok).take(5).map(|s| s.error.clone()).collect();
+        let slowest_during = slowest(&during, 3);
         let (before, during_l) = (Latency::of(&before), Latency::of(&during));
         anyhow::Ok(UpdateBench {
             cluster: format!(
@@ -225,6 +247,7 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
             during: during_l,
             p99_during_over_before: during_l.p99_s / before.p99_s.max(1e-9),
             update_ok: response.ok,
+            slowest_during,
             steps,
             errors,
         })
@@ -257,6 +280,12 @@ fn render(b: &UpdateBench, launch_s: f64) -> String {
         "  p99 during / before {:>6.2}x (goal <= 3x); failed probes {} before, {} during (goal 0)\n",
         b.p99_during_over_before, b.before.failed, b.during.failed
     ));
+    for p in &b.slowest_during {
+        s.push_str(&format!(
+            "  slow probe: sent {:.2} s into the update, {:.3} s, replica {} on {}\n",
+            p.sent_s, p.latency_s, p.replica, p.version
+        ));
+    }
     for step in &b.steps {
         s.push_str(&format!("  step: {step}\n"));
     }
