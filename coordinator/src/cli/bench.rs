@@ -38,6 +38,12 @@ pub struct BenchUpdateArgs {
     /// Seconds of each measurement before the update (capacity, then latency).
     #[arg(long, default_value_t = 4.0)]
     seconds: f64,
+    /// Fresh launches whose load times give the median the update is divided by (the served
+    /// launch is the first; the rest load, report and exit). One launch's load varies several
+    /// times over on a VM whose host reclaims free guest memory (free page reporting: a page
+    /// first touched after a reclaim costs a host fault), so one is a noisy yardstick.
+    #[arg(long, default_value_t = 3)]
+    launches: usize,
     /// Where the two checkpoints are synthesized (kept for later runs).
     #[arg(long, default_value = "target/bench-update")]
     dir: PathBuf,
@@ -69,9 +75,16 @@ impl Latency {
 #[derive(Debug, Serialize)]
 pub struct UpdateBench {
     pub cluster: String,
+    /// The median load time of the fresh launches (`loads_s`).
     pub load_s: f64,
+    pub loads_s: Vec<f64>,
+    /// The update call as a client sees it: the rolling update, then the consistency report it
+    /// answers with.
     pub update_s: f64,
+    /// The rolling update alone (validate, then stage, verify and swap every replica).
+    pub roll_s: f64,
     pub update_over_load: f64,
+    pub roll_over_load: f64,
     pub capacity_per_s: f64,
     pub load_rate_per_s: f64,
     pub before: Latency,
@@ -165,8 +178,17 @@ impl Drop for Cluster {
     }
 }
 
+/// The load time of a fresh launch that loads, reports (without probes) and exits.
+fn launch_load(args: &[String]) -> anyhow::Result<f64> {
+    let out = Command::new(std::env::current_exe()?).arg("launch").args(args).arg("--no-probe").stderr(Stdio::null()).output()?;
+    let doc: serde_json::Value =
+        serde_json::from_slice(&out.stdout).with_context(|| format!("a fresh launch ended with {} and no report", out.status))?;
+    doc["timings"]["load"].as_f64().context("a fresh launch's report has no load time")
+}
+
 pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
     anyhow::ensure!(a.seconds > 0.0 && a.seconds <= 600.0, "--seconds must be in (0, 600]");
+    anyhow::ensure!((1..=20).contains(&a.launches), "--launches must be in 1..=20");
     let preset: Preset = a.preset.parse()?;
     std::fs::create_dir_all(&a.dir).with_context(|| format!("--dir {}", a.dir.display()))?;
     let (ck_a, ck_b) = (checkpoint(&a.dir, preset, a.layers, 1)?, checkpoint(&a.dir, preset, a.layers, 2)?);
@@ -178,14 +200,15 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
     }
     let root = a.dir.canonicalize()?;
     let probe = format!("{},{},{}", a.probe.tokens, a.probe.latents, a.probe.seed);
-    let launch_args: Vec<String> =
-        ["--serve", "--json", "--tp", &a.tp.to_string(), "--dp", &a.dp.to_string(), "--probe", &probe, "--checkpoint"]
-            .iter()
-            .map(|s| s.to_string())
-            .chain([ck_a.display().to_string(), "--allow-root".into(), root.display().to_string()])
-            .collect();
+    let launch_args: Vec<String> = ["--json", "--tp", &a.tp.to_string(), "--dp", &a.dp.to_string(), "--probe", &probe, "--checkpoint"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([ck_a.display().to_string(), "--allow-root".into(), root.display().to_string()])
+        .collect();
+    let mut loads = (1..a.launches).map(|_| launch_load(&launch_args)).collect::<anyhow::Result<Vec<f64>>>()?;
+    let served: Vec<String> = std::iter::once("--serve".to_string()).chain(launch_args.iter().cloned()).collect();
     let started = Instant::now();
-    let cluster = Cluster::launch(&launch_args)?;
+    let cluster = Cluster::launch(&served)?;
     let launch_s = started.elapsed().as_secs_f64();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = runtime.block_on(async {
@@ -199,7 +222,8 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
             let r = c.report(req).await?.into_inner();
             serde_json::from_str::<serde_json::Value>(&r.json)?
         };
-        let load_s = report["timings"]["load"].as_f64().context("the launch report has no load time")?;
+        loads.insert(0, report["timings"]["load"].as_f64().context("the launch report has no load time")?);
+        let load_s = percentile(&loads.iter().map(|s| s * 1e3).collect::<Vec<_>>(), 0.5) / 1e3;
         let phase = Duration::from_secs_f64(a.seconds);
         let cap = capacity(&client, Some(&token), a.probe, a.dp as usize, phase).await;
         anyhow::ensure!(cap > 0.0, "no routed probe was served while measuring capacity");
@@ -223,6 +247,7 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
         let ((update_s, response), during) = tokio::join!(update, load);
         let response = response.map_err(|s| anyhow::anyhow!("update: {}", s.message()))?.into_inner();
         let doc: serde_json::Value = serde_json::from_str(&response.json)?;
+        let roll_s = doc["update"]["seconds"].as_f64().context("the update document has no seconds")?;
         let steps =
             doc["update"]["steps"].as_array().map(|v| v.iter().filter_map(|s| s.as_str().map(String::from)).collect()).unwrap_or_default();
         let errors = during.iter().chain(&before).filter(|s| !s.ok).take(5).map(|s| s.error.clone()).collect();
@@ -239,8 +264,11 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
                 a.probe.latents
             ),
             load_s,
+            loads_s: loads.clone(),
             update_s,
+            roll_s,
             update_over_load: update_s / load_s,
+            roll_over_load: roll_s / load_s,
             capacity_per_s: cap,
             load_rate_per_s: rate,
             before,
@@ -264,12 +292,22 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
 
 fn render(b: &UpdateBench, launch_s: f64) -> String {
     let mut s = format!("update bench: {} ({} cores)\n", b.cluster, std::thread::available_parallelism().map_or(1, |n| n.get()));
-    s.push_str(&format!("  load at launch     {:>7.2} s   (the launch until serving took {launch_s:.2} s)\n", b.load_s));
+    let loads: Vec<String> = b.loads_s.iter().map(|l| format!("{l:.2}")).collect();
+    s.push_str(&format!(
+        "  load at launch     {:>7.2} s   median of {} fresh launches ({} s; the served one until serving took {launch_s:.2} s)\n",
+        b.load_s,
+        b.loads_s.len(),
+        loads.join(", ")
+    ));
     s.push_str(&format!(
         "  update A -> B      {:>7.2} s   {:.2}x the load (goal <= 1.5x), {}\n",
         b.update_s,
         b.update_over_load,
         if b.update_ok { "ok" } else { "FAILED" }
+    ));
+    s.push_str(&format!(
+        "    of which the roll {:>6.2} s   {:.2}x the load (then the consistency report it answers with)\n",
+        b.roll_s, b.roll_over_load
     ));
     s.push_str(&format!("  probe capacity     {:>7.2} /s  (load at {:.2} /s, half)\n", b.capacity_per_s, b.load_rate_per_s));
     s.push_str(&format!(
