@@ -1,5 +1,6 @@
-//! The two inner steps of [`super::gemm`], each with a portable version and an x86-64 version
-//! (AVX2 + F16C, chosen at run time) that gives the same bits:
+//! The two inner steps of [`super::gemm`], each with a portable version and two x86-64
+//! versions (AVX2 + F16C, and the same with 512-bit registers where the CPU has AVX-512F;
+//! chosen at run time) that give the same bits:
 //!
 //! - [`fill`]: dequantize a tile of `TILE` weight rows and transpose it to `[K, TILE]` f32.
 //!   The x86 version decodes eight E4M3 bytes at a time without a table: the byte's low seven
@@ -19,8 +20,14 @@ use crate::{e4m3, e8m0};
 pub(super) fn fill(w: &WeightView<'_>, n0: usize, width: usize, wt: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if width == TILE && x86::available() && e4m3::find_nan(&w.elements[n0 * w.k..(n0 + TILE) * w.k]).is_none() {
-        // SAFETY: the CPU has AVX2 and F16C (checked just above); `fill` checks the bounds.
-        unsafe { x86::fill(w, n0, wt) };
+        if x86_512::available() {
+            // SAFETY: the CPU has AVX-512F, AVX2 and F16C (checked just above); `fill` checks
+            // the bounds.
+            unsafe { x86_512::fill(w, n0, wt) };
+        } else {
+            // SAFETY: the CPU has AVX2 and F16C (checked just above); `fill` checks the bounds.
+            unsafe { x86::fill(w, n0, wt) };
+        }
         return;
     }
     fill_portable(w, n0, width, wt);
@@ -42,6 +49,12 @@ fn fill_portable(w: &WeightView<'_>, n0: usize, width: usize, wt: &mut [f32]) {
 
 /// `out[t * TILE + j] = sum_kk a[t * k + kk] * wt[kk * TILE + j]` for `t < rows`.
 pub(super) fn accumulate(a: &[f32], rows: usize, k: usize, wt: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if x86_512::available() {
+        // SAFETY: the CPU has AVX-512F (checked just above); `accumulate` checks the bounds.
+        unsafe { x86_512::accumulate(a, rows, k, wt, out) };
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if x86::available() {
         // SAFETY: the CPU has AVX2 (checked just above); `accumulate` checks the bounds.
@@ -200,6 +213,128 @@ mod x86 {
     }
 }
 
+/// The same two steps with 512-bit registers (AVX-512F, plus AVX2 and F16C): sixteen rows
+/// decoded sixteen bytes at a time and a 16 x 16 register transpose, and accumulators of
+/// sixteen outputs. Every value goes through the same operations as in [`x86`] (the half
+/// trick, one multiply by the folded scale, a multiply then an add per product in increasing
+/// `k`), so the bits are the same.
+#[cfg(target_arch = "x86_64")]
+mod x86_512 {
+    use std::arch::x86_64::*;
+
+    use super::{BLOCK, TILE, WeightView};
+    use crate::e8m0;
+
+    pub fn available() -> bool {
+        super::x86::available() && std::arch::is_x86_feature_detected!("avx512f")
+    }
+
+    /// Sixteen E4M3 bytes at `p` (none of them NaN) as exact f32 values divided by 256 (see
+    /// `x86::decode8_over_256`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    unsafe fn decode16_over_256(p: *const u8) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable bytes at `p` (an unaligned load).
+        let v = unsafe { _mm256_cvtepi8_epi16(_mm_loadu_si128(p.cast())) };
+        let half = _mm256_and_si256(_mm256_slli_epi16::<7>(v), _mm256_set1_epi16(0xBF80u16 as i16));
+        _mm512_cvtph_ps(half)
+    }
+
+    /// Rows of `r` become columns: `out[j][i] = r[i][j]`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn transpose16(r: &[__m512; 16]) -> [__m512; 16] {
+        // Within each 128-bit lane L: pairs, then quads of rows, at k = 4L + q.
+        let a: [__m512; 16] = std::array::from_fn(|i| {
+            let (x, y) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+            if i % 2 == 0 { _mm512_unpacklo_ps(x, y) } else { _mm512_unpackhi_ps(x, y) }
+        });
+        // b[m * 4 + q]: lane L holds rows 4m .. 4m + 3 at k = 4L + q.
+        let b: [__m512; 16] = std::array::from_fn(|i| {
+            let (m, q) = (i / 4, i % 4);
+            let (x, y) = (_mm512_castps_pd(a[4 * m + q / 2]), _mm512_castps_pd(a[4 * m + q / 2 + 2]));
+            _mm512_castpd_ps(if q % 2 == 0 { _mm512_unpacklo_pd(x, y) } else { _mm512_unpackhi_pd(x, y) })
+        });
+        // A 4 x 4 transpose of 128-bit lanes across b[0..4][q]: column 4L + q.
+        let mut out = [_mm512_setzero_ps(); 16];
+        for q in 0..4 {
+            let (b0, b1, b2, b3) = (b[q], b[4 + q], b[8 + q], b[12 + q]);
+            let e0 = _mm512_shuffle_f32x4::<0x44>(b0, b1);
+            let e1 = _mm512_shuffle_f32x4::<0xEE>(b0, b1);
+            let e2 = _mm512_shuffle_f32x4::<0x44>(b2, b3);
+            let e3 = _mm512_shuffle_f32x4::<0xEE>(b2, b3);
+            out[q] = _mm512_shuffle_f32x4::<0x88>(e0, e2);
+            out[4 + q] = _mm512_shuffle_f32x4::<0xDD>(e0, e2);
+            out[8 + q] = _mm512_shuffle_f32x4::<0x88>(e1, e3);
+            out[12 + q] = _mm512_shuffle_f32x4::<0xDD>(e1, e3);
+        }
+        out
+    }
+
+    /// A full tile (`TILE` rows from `n0`) without NaN bytes.
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub unsafe fn fill(w: &WeightView<'_>, n0: usize, wt: &mut [f32]) {
+        let k = w.k;
+        assert!(w.elements.len() >= (n0 + TILE) * k && wt.len() >= k * TILE && k.is_multiple_of(BLOCK));
+        let base = w.elements.as_ptr();
+        let out = wt.as_mut_ptr();
+        for g in 0..TILE / 16 {
+            for kb in 0..k / BLOCK {
+                let bytes: [u8; 16] = std::array::from_fn(|r| w.scale(n0 + g * 16 + r, kb));
+                // As in `x86::fill`: (value / 256) * (scale * 256) while scale * 256 is finite.
+                let folded = bytes.iter().all(|&b| b <= 246);
+                let scales: [__m512; 16] = std::array::from_fn(|r| {
+                    let s = e8m0::to_f32(bytes[r]);
+                    _mm512_set1_ps(if folded { s * 256.0 } else { s })
+                });
+                for c in 0..BLOCK / 16 {
+                    let kk = kb * BLOCK + c * 16;
+                    // SAFETY: row n0 + g*16 + r < n0 + TILE and kk + 16 <= k (asserted above).
+                    let rows: [__m512; 16] = std::array::from_fn(|r| {
+                        let x = unsafe { decode16_over_256(base.add((n0 + g * 16 + r) * k + kk)) };
+                        if folded { _mm512_mul_ps(x, scales[r]) } else { _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(256.0)), scales[r]) }
+                    });
+                    let cols = transpose16(&rows);
+                    for (i, col) in cols.into_iter().enumerate() {
+                        // SAFETY: (kk + i) * TILE + g * 16 + 16 <= k * TILE.
+                        unsafe { _mm512_storeu_ps(out.add((kk + i) * TILE + g * 16), col) };
+                    }
+                }
+            }
+        }
+    }
+
+    /// `out[t * TILE + j] = sum_kk a[t * k + kk] * wt[kk * TILE + j]`: a multiply then an add
+    /// per product, in increasing `kk`, four activation rows at a time sharing each tile load.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn accumulate(a: &[f32], rows: usize, k: usize, wt: &[f32], out: &mut [f32]) {
+        assert!(a.len() >= rows * k && wt.len() >= k * TILE && out.len() >= rows * TILE);
+        let w = wt.as_ptr();
+        let mut t = 0;
+        while t < rows {
+            let n = (rows - t).min(4);
+            let mut acc = [[_mm512_setzero_ps(); 2]; 4];
+            for kk in 0..k {
+                // SAFETY: kk * TILE + 32 <= k * TILE.
+                let (w0, w1) = unsafe { (_mm512_loadu_ps(w.add(kk * TILE)), _mm512_loadu_ps(w.add(kk * TILE + 16))) };
+                for (r, acc) in acc.iter_mut().enumerate().take(n) {
+                    let av = _mm512_set1_ps(a[(t + r) * k + kk]);
+                    acc[0] = _mm512_add_ps(acc[0], _mm512_mul_ps(av, w0));
+                    acc[1] = _mm512_add_ps(acc[1], _mm512_mul_ps(av, w1));
+                }
+            }
+            for (r, acc) in acc.iter().enumerate().take(n) {
+                // SAFETY: (t + r) * TILE + 32 <= rows * TILE.
+                unsafe {
+                    _mm512_storeu_ps(out.as_mut_ptr().add((t + r) * TILE), acc[0]);
+                    _mm512_storeu_ps(out.as_mut_ptr().add((t + r) * TILE + 16), acc[1]);
+                }
+            }
+            t += n;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,6 +367,52 @@ mod tests {
             accumulate(&a, 5, k, &finite, &mut got);
             accumulate_portable(&a, 5, k, &finite, &mut want);
             assert_eq!(bits(&got), bits(&want), "accumulate at row {n0}");
+        }
+    }
+
+    /// Each x86 version the CPU has, called directly (the dispatch picks only the widest):
+    /// the same bits as the portable code for every finite byte and scale, and for row counts
+    /// that leave remainders in the accumulators.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_x86_version_gives_the_portable_bits() {
+        let (n, k) = (32, 256);
+        let elements: Vec<u8> = (0..n * k).map(|i| (i * 7 + i / k) as u8).map(|b| if e4m3::is_nan(b) { b ^ 1 } else { b }).collect();
+        let scales: Vec<u8> = (0..n * k / BLOCK).map(|i| [0u8, 1, 100, 127, 128, 200, 246, 247, 254, 253][i % 10]).collect();
+        let w = WeightView { elements: &elements, n, k, scales: ScaleView::RowMajor(&scales) };
+        let mut plain = vec![0f32; k * TILE];
+        fill_portable(&w, 0, TILE, &mut plain);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let finite: Vec<f32> = plain.iter().map(|x| if x.is_finite() { *x } else { 0.5 }).collect();
+        let a: Vec<f32> = (0..7 * k).map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.125).collect();
+        let want = |rows: usize| {
+            let mut want = vec![0f32; rows * TILE];
+            accumulate_portable(&a, rows, k, &finite, &mut want);
+            bits(&want)
+        };
+        if x86::available() {
+            let mut wt = vec![1f32; k * TILE];
+            // SAFETY: the CPU has AVX2 and F16C (checked above).
+            unsafe { x86::fill(&w, 0, &mut wt) };
+            assert_eq!(bits(&wt), bits(&plain), "AVX2 fill");
+            for rows in 1..=7 {
+                let mut got = vec![0f32; rows * TILE];
+                // SAFETY: as above.
+                unsafe { x86::accumulate(&a, rows, k, &finite, &mut got) };
+                assert_eq!(bits(&got), want(rows), "AVX2 accumulate, {rows} rows");
+            }
+        }
+        if x86_512::available() {
+            let mut wt = vec![1f32; k * TILE];
+            // SAFETY: the CPU has AVX-512F, AVX2 and F16C (checked above).
+            unsafe { x86_512::fill(&w, 0, &mut wt) };
+            assert_eq!(bits(&wt), bits(&plain), "AVX-512 fill");
+            for rows in 1..=7 {
+                let mut got = vec![0f32; rows * TILE];
+                // SAFETY: as above.
+                unsafe { x86_512::accumulate(&a, rows, k, &finite, &mut got) };
+                assert_eq!(bits(&got), want(rows), "AVX-512 accumulate, {rows} rows");
+            }
         }
     }
 }
