@@ -359,10 +359,17 @@ pub fn expand_block_scales(block_scale: &[u8], rows: usize, k: usize, block: [us
     let per_block = bk / mxfp8::BLOCK;
     // Every byte is overwritten below: no need to clear first.
     dst.resize(rows * c, 0);
-    for (r, row) in dst.chunks_exact_mut(c.max(1)).enumerate() {
-        let src = &block_scale[(r / bm) * block_cols..][..block_cols];
-        for (j, b) in row.iter_mut().enumerate() {
-            *b = src[j / per_block];
+    if c == 0 {
+        return Ok(());
+    }
+    // The first row of each block row, then the block's other rows copied from it.
+    for (br, rows_of_block) in dst.chunks_exact_mut(bm * c).enumerate() {
+        let (first, rest) = rows_of_block.split_at_mut(c);
+        for (out, &b) in first.chunks_exact_mut(per_block).zip(&block_scale[br * block_cols..][..block_cols]) {
+            out.fill(b);
+        }
+        for row in rest.chunks_exact_mut(c) {
+            row.copy_from_slice(first);
         }
     }
     Ok(())
@@ -448,5 +455,25 @@ mod tests {
         assert_eq!(cpu.capacity(&pool.take(&cpu, 2000)), 0);
         assert_eq!(cpu.allocation_id(&pool.take(&cpu, 8)), big_id);
         assert_eq!(cpu.capacity(&pool.take(&cpu, 8)), 0);
+    }
+
+    /// Block scales expand to the spec's definition (row r, 32-column block j takes the scale
+    /// of block (r / bm, j * 32 / bk)) for square and oblong blocks; shapes that do not tile
+    /// are refused.
+    #[test]
+    fn block_scales_expand_to_one_scale_per_row_and_32_columns() {
+        for (rows, k, block) in [(256, 512, [128, 128]), (96, 64, [32, 32]), (128, 256, [64, 128]), (64, 96, [32, 96])] {
+            let [bm, bk] = block;
+            let (br, bc) = (rows / bm, k / bk);
+            let src: Vec<u8> = (0..br * bc).map(|i| (i * 37 + 11) as u8).collect();
+            let mut got = vec![7u8; 3];
+            expand_block_scales(&src, rows, k, block, &mut got).unwrap();
+            let c = k / 32;
+            let want: Vec<u8> = (0..rows * c).map(|i| src[(i / c) / bm * bc + (i % c) * 32 / bk]).collect();
+            assert_eq!(got, want, "[{rows}, {k}] in {bm}x{bk} blocks");
+        }
+        assert!(expand_block_scales(&[1], 30, 64, [32, 32], &mut Vec::new()).is_err());
+        assert!(expand_block_scales(&[1, 2], 32, 64, [32, 32], &mut Vec::new()).is_ok());
+        assert!(expand_block_scales(&[1], 32, 64, [32, 32], &mut Vec::new()).is_err());
     }
 }
