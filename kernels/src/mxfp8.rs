@@ -135,12 +135,13 @@ pub fn quantize_bf16_ordered(
     elements: &mut Vec<u8>,
     scales: &mut Vec<u8>,
 ) -> Result<(), KernelError> {
-    quantize_rows_with(bf16, rows, k, rule, order, elements, scales, |_, _| {})
+    quantize_rows_with(bf16, rows, k, rule, order, elements, scales, |_, _, _| {})
 }
 
-/// [`quantize_bf16_ordered`], also returning the digest of the BF16 bytes as stored and of the
-/// E4M3 bytes as placed, taken row by row while each row is in cache (the stored bytes are
-/// digested in a pass of their own when rows move: they are read out of order).
+/// [`quantize_bf16_ordered`], also returning the digests of the BF16 bytes as stored, of the
+/// E4M3 bytes as placed, and of the quantization in checkpoint order (elements and scales),
+/// taken row by row while each row is in cache. Rows are quantized in checkpoint order; when
+/// rows move (`Rows`), the placed bytes are digested in a pass of their own.
 pub fn quantize_bf16_placed(
     bf16: &[u8],
     rows: usize,
@@ -152,19 +153,49 @@ pub fn quantize_bf16_placed(
 ) -> Result<crate::placement::Placed, KernelError> {
     use crate::digest::DigestStream;
     let rows_move = matches!(order, BlockOrder::Rows(_));
+    // Chunks: checkpoint block `s` of a row sits at destination block `at[s]`.
+    let at = match order {
+        BlockOrder::Chunks(p) => Some(p.inverse_map()),
+        _ => None,
+    };
     let (mut source, mut placed) = (DigestStream::new(), DigestStream::new());
-    quantize_rows_with(bf16, rows, k, rule, order, elements, scales, |src_row, dst_row| {
+    let (mut ck_elements, mut ck_scales) = (DigestStream::new(), DigestStream::new());
+    let (mut row_buf, mut scale_buf) = (Vec::new(), Vec::new());
+    quantize_rows_with(bf16, rows, k, rule, order, elements, scales, |src_row, dst_row, scale_row| {
+        source.update(src_row);
         if !rows_move {
-            source.update(src_row);
+            placed.update(dst_row);
         }
-        placed.update(dst_row);
+        match &at {
+            Some(at) => {
+                row_buf.clear();
+                scale_buf.clear();
+                for &j in *at {
+                    let j = j as usize;
+                    row_buf.extend_from_slice(&dst_row[j * BLOCK..(j + 1) * BLOCK]);
+                    scale_buf.push(scale_row[j]);
+                }
+                ck_elements.update(&row_buf);
+                ck_scales.update(&scale_buf);
+            }
+            None => {
+                // In checkpoint order the placed bytes are the checkpoint-order bytes.
+                if rows_move {
+                    ck_elements.update(dst_row);
+                }
+                ck_scales.update(scale_row);
+            }
+        }
     })?;
-    let source = if rows_move { crate::Digest::of(bf16) } else { source.finish() };
-    Ok(crate::placement::Placed { source, placed: placed.finish() })
+    let placed = if rows_move { crate::Digest::of(elements) } else { placed.finish() };
+    let ck_elements = if at.is_some() || rows_move { ck_elements.finish() } else { placed };
+    let quantized = crate::placement::QuantizedDigests { elements: ck_elements, scales: ck_scales.finish() };
+    Ok(crate::placement::Placed { source: source.finish(), placed, quantized: Some(quantized) })
 }
 
-/// The quantization loop, destination row by row; `after_row(source row bytes, destination
-/// row)` runs after each row is written.
+/// The quantization loop, in checkpoint (source) row order: source row `s` goes to destination
+/// row `s`, or for `Rows(p)` to the row `f` with `p[f] = s`; `after_row(source row bytes,
+/// destination row, its scales)` runs after each row is written.
 #[allow(clippy::too_many_arguments)]
 fn quantize_rows_with(
     bf16: &[u8],
@@ -174,7 +205,7 @@ fn quantize_rows_with(
     order: BlockOrder<'_>,
     elements: &mut Vec<u8>,
     scales: &mut Vec<u8>,
-    after_row: impl FnMut(&[u8], &[u8]),
+    after_row: impl FnMut(&[u8], &[u8], &[u8]),
 ) -> Result<(), KernelError> {
     if !k.is_multiple_of(BLOCK) || bf16.len() != rows * k * 2 {
         return Err(KernelError::Shape(format!("BF16 matrix of {} bytes is not [{rows}, {k}] with K a multiple of {BLOCK}", bf16.len())));
@@ -192,27 +223,35 @@ fn quantize_rows_with(
     // Every byte is overwritten below: no need to clear first.
     elements.resize(rows * k, 0);
     scales.resize(rows * blocks, 0);
-    crate::simd::dispatch!(quantize_rows_body(bf16, k, rule, order, elements, scales, after_row))
+    if k == 0 {
+        return Ok(());
+    }
+    let dst_of = match order {
+        BlockOrder::Rows(p) => Some(p.inverse_map()),
+        _ => None,
+    };
+    crate::simd::dispatch!(quantize_rows_body(bf16, k, rule, order, dst_of, elements, scales, after_row))
 }
 
-/// The loop of [`quantize_rows_with`] on validated, sized buffers.
+/// The loop of [`quantize_rows_with`] on validated, sized buffers (`dst_of[s]`: the destination
+/// row of source row `s` when rows move).
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn quantize_rows_body(
     bf16: &[u8],
     k: usize,
     rule: ScaleRule,
     order: BlockOrder<'_>,
+    dst_of: Option<&[u32]>,
     elements: &mut [u8],
     scales: &mut [u8],
-    mut after_row: impl FnMut(&[u8], &[u8]),
+    mut after_row: impl FnMut(&[u8], &[u8], &[u8]),
 ) -> Result<(), KernelError> {
     let blocks = k / BLOCK;
-    for (row, (dst_row, scale_row)) in elements.chunks_exact_mut(k).zip(scales.chunks_exact_mut(blocks)).enumerate() {
-        let src_row = match order {
-            BlockOrder::Rows(p) => p.as_slice()[row] as usize,
-            _ => row,
-        };
-        let src_row_bytes = &bf16[src_row * k * 2..(src_row + 1) * k * 2];
+    for (src_row, src_row_bytes) in bf16.chunks_exact(k * 2).enumerate() {
+        let row = dst_of.map_or(src_row, |d| d[src_row] as usize);
+        let dst_row = &mut elements[row * k..(row + 1) * k];
+        let scale_row = &mut scales[row * blocks..(row + 1) * blocks];
         for (j, (dst, scale)) in dst_row.chunks_exact_mut(BLOCK).zip(scale_row.iter_mut()).enumerate() {
             let src_j = match order {
                 BlockOrder::Chunks(p) => p.as_slice()[j] as usize,
@@ -221,7 +260,7 @@ fn quantize_rows_body(
             let src: &[u8; BLOCK * 2] = src_row_bytes[src_j * BLOCK * 2..(src_j + 1) * BLOCK * 2].try_into().expect("a whole block");
             *scale = quantize_bf16_block(src, rule, dst).map_err(|at| KernelError::NonFinite { row: src_row, col: src_j * BLOCK + at })?;
         }
-        after_row(src_row_bytes, dst_row);
+        after_row(src_row_bytes, dst_row, scale_row);
     }
     Ok(())
 }
@@ -326,7 +365,11 @@ mod tests {
                 let (mut e, mut s) = (Vec::new(), Vec::new());
                 quantize_bf16_ordered(&bf16, rows, k, rule, order, &mut e, &mut s).unwrap();
                 let (mut be, mut bs) = (vec![0u8; rows * k], vec![0u8; rows * k / BLOCK]);
-                quantize_rows_body(&bf16, k, rule, order, &mut be, &mut bs, |_, _| {}).unwrap();
+                let dst_of = match order {
+                    BlockOrder::Rows(p) => Some(p.inverse_map()),
+                    _ => None,
+                };
+                quantize_rows_body(&bf16, k, rule, order, dst_of, &mut be, &mut bs, |_, _, _| {}).unwrap();
                 assert_eq!((&e, &s), (&be, &bs), "{rule:?} {order:?}");
             }
         }

@@ -111,6 +111,8 @@ pub struct SourceDigests {
     pub weight: Digest,
     /// FP8 only: the block scale.
     pub block_scale: Option<Digest>,
+    /// BF16 quantized into place on the host: the MXFP8 it gave, in checkpoint order.
+    pub quantized: Option<crate::placement::QuantizedDigests>,
     /// The digest of the weight bytes as the source stage placed them (fused order), when it
     /// came for free on the way. The kernel hooks never change weight bytes, so this is the
     /// kernel weight's digest when the matrix goes straight to its hook.
@@ -413,11 +415,11 @@ fn load_source<B: Backend>(
                     (BlockOrder::Identity, host @ HostBytes::Staged(_)) => {
                         let d = e4m3::digest_nan_free(host.as_slice()).map_err(|at| KernelError::NonFinite { row: at / k, col: at % k })?;
                         host.upload(backend, &mut weight)?;
-                        SourceDigests { weight: d, block_scale: block_scale_digest, placed_weight: Some(d) }
+                        SourceDigests { weight: d, block_scale: block_scale_digest, quantized: None, placed_weight: Some(d) }
                     }
                     (order, w) => {
                         let (d, placed) = backend.upload_e4m3(w.as_slice(), rows, k, order, &mut weight)?;
-                        SourceDigests { weight: d, block_scale: block_scale_digest, placed_weight: placed }
+                        SourceDigests { weight: d, block_scale: block_scale_digest, quantized: None, placed_weight: placed }
                     }
                 };
                 backend.upload(block_scale, &mut staged)?;
@@ -450,10 +452,21 @@ fn load_source<B: Backend>(
             let mut weight = pool.take(backend, rows * k);
             let mut scale = pool.take(backend, rows * c);
             match backend.quantize_bf16_host(w.as_slice(), rows, k, rule, order, &mut weight, &mut scale) {
-                Ok(Some(placed)) => {
-                    Ok((weight, scale, SourceDigests { weight: placed.source, block_scale: None, placed_weight: Some(placed.placed) }))
-                }
-                Ok(None) => Ok((weight, scale, SourceDigests { weight: Digest::of(w.as_slice()), block_scale: None, placed_weight: None })),
+                Ok(Some(placed)) => Ok((
+                    weight,
+                    scale,
+                    SourceDigests {
+                        weight: placed.source,
+                        block_scale: None,
+                        quantized: placed.quantized,
+                        placed_weight: Some(placed.placed),
+                    },
+                )),
+                Ok(None) => Ok((
+                    weight,
+                    scale,
+                    SourceDigests { weight: Digest::of(w.as_slice()), block_scale: None, quantized: None, placed_weight: None },
+                )),
                 Err(e) => {
                     pool.give(weight);
                     pool.give(scale);

@@ -24,12 +24,24 @@ fn checked_len(what: &str, a: usize, b: usize) -> Result<usize, KernelError> {
 }
 
 /// A bijection on `0..len`: `perm[f]` is the standard index read into fused position `f`.
+/// The inverse is kept beside it (made once, with the map), so that walking in standard order
+/// allocates nothing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Permutation {
     map: Vec<u32>,
+    inv: Vec<u32>,
 }
 
 impl Permutation {
+    /// From a map already known to be a bijection.
+    fn of_bijection(map: Vec<u32>) -> Self {
+        let mut inv = vec![0u32; map.len()];
+        for (f, &s) in map.iter().enumerate() {
+            inv[s as usize] = f as u32;
+        }
+        Self { map, inv }
+    }
+
     /// Wraps a map, checking that it is a bijection.
     pub fn from_map(map: Vec<u32>) -> Result<Self, KernelError> {
         let mut seen = vec![false; map.len()];
@@ -41,7 +53,7 @@ impl Permutation {
                 return Err(KernelError::Shape(format!("permutation repeats index {s}")));
             }
         }
-        Ok(Self { map })
+        Ok(Self::of_bijection(map))
     }
 
     /// The Q permutation of `wq_b` rows for `n_local_heads` heads of `head_dim` dims:
@@ -62,7 +74,7 @@ impl Permutation {
                 map[f] = s as u32;
             }
         }
-        Ok(Self { map })
+        Ok(Self::of_bijection(map))
     }
 
     /// The O permutation of `wo_a` columns (one group of 8 heads):
@@ -82,7 +94,7 @@ impl Permutation {
                 }
             }
         }
-        Ok(Self { map })
+        Ok(Self::of_bijection(map))
     }
 
     /// The permutation of `chunk`-sized runs, `perm[::chunk] / chunk`, checking that every run
@@ -104,16 +116,18 @@ impl Permutation {
             }
             map.push((start / chunk) as u32);
         }
-        Ok(Self { map })
+        Ok(Self::of_bijection(map))
     }
 
     /// The inverse bijection: `inverse[perm[f]] = f`.
     pub fn inverse(&self) -> Self {
-        let mut map = vec![0u32; self.map.len()];
-        for (f, &s) in self.map.iter().enumerate() {
-            map[s as usize] = f as u32;
-        }
-        Self { map }
+        Self { map: self.inv.clone(), inv: self.map.clone() }
+    }
+
+    /// The inverse's map: `inverse_map()[perm[f]] = f` (the fused position of each standard
+    /// index), without a copy.
+    pub fn inverse_map(&self) -> &[u32] {
+        &self.inv
     }
 
     pub fn len(&self) -> usize {

@@ -23,6 +23,17 @@ pub struct Placed {
     pub source: Digest,
     /// Of the bytes as placed in the destination.
     pub placed: Digest,
+    /// BF16 quantized into place: the MXFP8 it produced, in checkpoint order (what a round trip
+    /// of the placed tensor must give back). `None` for FP8 (the source digest is that).
+    pub quantized: Option<QuantizedDigests>,
+}
+
+/// Digests of an MXFP8 quantization in checkpoint order: the E4M3 elements `[rows, k]` and the
+/// per-row scales `[rows, k/32]`, as [`crate::mxfp8::quantize_bf16_rows`] writes them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantizedDigests {
+    pub elements: Digest,
+    pub scales: Digest,
 }
 
 /// Bytes per step of the checkpoint-order pass (stays in L2 between check, digest and copy).
@@ -52,7 +63,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
                 d.copy_from_slice(s);
             }
             let d = h.finish();
-            Ok(Placed { source: d, placed: d })
+            Ok(Placed { source: d, placed: d, quantized: None })
         }
         BlockOrder::Chunks(perm) => {
             if perm.len() * O_CHUNK != k {
@@ -74,7 +85,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
                 }
                 hd.update(d);
             }
-            Ok(Placed { source: hs.finish(), placed: hd.finish() })
+            Ok(Placed { source: hs.finish(), placed: hd.finish(), quantized: None })
         }
         BlockOrder::Rows(perm) => {
             if perm.len() != rows {
@@ -86,7 +97,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
             for d in dst.chunks(STEP) {
                 h.update(d);
             }
-            Ok(Placed { source, placed: h.finish() })
+            Ok(Placed { source, placed: h.finish(), quantized: None })
         }
     }
 }
@@ -170,6 +181,11 @@ mod tests {
                     prop_assert_eq!(&ps, &s);
                     prop_assert_eq!(placed.source, Digest::of(&src));
                     prop_assert_eq!(placed.placed, Digest::of(&e));
+                    // The quantization in checkpoint order, as the plain quantizer gives it.
+                    let (mut ce, mut cs) = (Vec::new(), Vec::new());
+                    crate::mxfp8::quantize_bf16_rows(&src, rows, k, rule, &mut ce, &mut cs).unwrap();
+                    let want = crate::placement::QuantizedDigests { elements: Digest::of(&ce), scales: Digest::of(&cs) };
+                    prop_assert_eq!(placed.quantized, Some(want));
                 }
             }
         }

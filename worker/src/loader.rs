@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use orchestrator_kernels::params::{
     CheckpointOrder, Fused, HostBytes, KernelTensor, Mx, OPermutation, QPermutation, SourceDigests, WeightSource, WoA, WoB, WqB,
 };
+use orchestrator_kernels::placement::QuantizedDigests;
 use orchestrator_kernels::{Backend, BufferPool, Digest, KernelError, ScaleRule};
 use orchestrator_model::names::{checkpoint_name, kernel_name, layer_tensors};
 use orchestrator_model::{Geometry, ModelConfig, ModelError, Param, Part, RankShard, TensorSpec, WeightFormat};
@@ -120,6 +121,10 @@ pub struct LayerWeights<B: Backend> {
     pub source: Vec<TensorDigest>,
     /// Digests of the kernel-visible tensors, by parameter name.
     pub kernel: Vec<TensorDigest>,
+    /// BF16 sources quantized on the host: checkpoint weight name -> the MXFP8 its quantizer
+    /// produced, in checkpoint order (what the round trip must read back out of the kernel
+    /// tensor). Empty for FP8, and where the backend quantized on the device.
+    pub quantized: Vec<(String, QuantizedDigests)>,
     pub times: StageTimes,
     scratch: LayerScratch<B>,
 }
@@ -362,6 +367,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         let find = |param, part| specs.iter().find(|s| s.param == param && s.part == part);
         let mut times = StageTimes::default();
         let mut source_digests = Vec::with_capacity(specs.len());
+        let mut quantized = Vec::new();
 
         // wq_b and wo_a go straight from the source into their fused layouts (FP8 gathered,
         // BF16 quantized into place); wo_b is never permuted.
@@ -371,10 +377,16 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         // hooks below never change weight bytes): those digests stand for the kernel weights'.
         let mut placed = [None; 3];
         let wq_b = {
-            let (fused, placed_wq_b): (Mx<B, WqB, Fused>, _) =
-                self.read_matrix(source, Param::WqB, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
-                    Mx::<B, WqB, Fused>::from_source_permuted(backend, src, rows, k, rule, &self.q, pool)
-                })?;
+            let (fused, placed_wq_b): (Mx<B, WqB, Fused>, _) = self.read_matrix(
+                source,
+                Param::WqB,
+                &find,
+                &mut scratch,
+                &mut source_digests,
+                &mut quantized,
+                &mut times,
+                |src, rows, k, pool| Mx::<B, WqB, Fused>::from_source_permuted(backend, src, rows, k, rule, &self.q, pool),
+            )?;
             placed[0] = placed_wq_b;
             let t = Instant::now();
             let k = fused
@@ -384,10 +396,16 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             k
         };
         let wo_a = {
-            let (fused, placed_wo_a): (Mx<B, WoA, Fused>, _) =
-                self.read_matrix(source, Param::WoA, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
-                    Mx::<B, WoA, Fused>::from_source_permuted(backend, src, rows, k, rule, &self.o, pool)
-                })?;
+            let (fused, placed_wo_a): (Mx<B, WoA, Fused>, _) = self.read_matrix(
+                source,
+                Param::WoA,
+                &find,
+                &mut scratch,
+                &mut source_digests,
+                &mut quantized,
+                &mut times,
+                |src, rows, k, pool| Mx::<B, WoA, Fused>::from_source_permuted(backend, src, rows, k, rule, &self.o, pool),
+            )?;
             placed[1] = placed_wo_a;
             let t = Instant::now();
             let k = fused
@@ -397,10 +415,16 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             k
         };
         let wo_b = {
-            let (mx, placed_wo_b): (Mx<B, WoB, CheckpointOrder>, _) =
-                self.read_matrix(source, Param::WoB, &find, &mut scratch, &mut source_digests, &mut times, |src, rows, k, pool| {
-                    Mx::from_source(backend, src, rows, k, rule, pool)
-                })?;
+            let (mx, placed_wo_b): (Mx<B, WoB, CheckpointOrder>, _) = self.read_matrix(
+                source,
+                Param::WoB,
+                &find,
+                &mut scratch,
+                &mut source_digests,
+                &mut quantized,
+                &mut times,
+                |src, rows, k, pool| Mx::from_source(backend, src, rows, k, rule, pool),
+            )?;
             placed[2] = placed_wo_b;
             let t = Instant::now();
             let k = mx
@@ -429,7 +453,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         let kernel = kernel_digests(self.backend, layer, [&wq_b, &wo_a, &wo_b], placed, &attn_sink, self.shard.n_local_heads)?;
         times.digest_s += t.elapsed().as_secs_f64();
 
-        Ok(LayerWeights { layer, wq_b, wo_a, wo_b, attn_sink, source: source_digests, kernel, times, scratch })
+        Ok(LayerWeights { layer, wq_b, wo_a, wo_b, attn_sink, source: source_digests, kernel, quantized, times, scratch })
     }
 
     /// The rank's layer in checkpoint order (FP8 scales expanded per row, BF16 quantized with
@@ -447,7 +471,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             // Checkpoint order is only downloaded here, never permuted or hooked, so the
             // parameter marker does not matter.
             let (mx, _): (Mx<B, WqB, CheckpointOrder>, _) =
-                self.read_matrix(source, param, &find, scratch, &mut digests, &mut times, |src, rows, k, pool| {
+                self.read_matrix(source, param, &find, scratch, &mut digests, &mut Vec::new(), &mut times, |src, rows, k, pool| {
                     Mx::from_source(backend, src, rows, k, rule, pool)
                 })?;
             mx.to_host(backend).map_err(|e| tensor_error(&checkpoint_name(layer, param, Part::Weight), None, e))
@@ -474,6 +498,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         find: &impl Fn(Param, Part) -> Option<&'s TensorSpec>,
         scratch: &mut LayerScratch<B>,
         digests: &mut Vec<TensorDigest>,
+        quantized: &mut Vec<(String, QuantizedDigests)>,
         times: &mut StageTimes,
         build: impl FnOnce(WeightSource<'_>, usize, usize, &mut BufferPool<B>) -> Result<(T, SourceDigests), KernelError>,
     ) -> Result<(T, Option<Digest>), LoadError> {
@@ -520,6 +545,9 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         times.pipeline_s += t.elapsed().as_secs_f64();
         let dtype = dtype_name(wspec.dtype);
         digests.push(TensorDigest { name: wspec.name.clone(), dtype, shape: vec![n_rows, n_cols], bytes: wbytes, digest: sd.weight });
+        if let Some(q) = sd.quantized {
+            quantized.push((wspec.name.clone(), q));
+        }
         if let (Some((sspec, _, _, shape)), Some(d)) = (scale_ctx, sd.block_scale) {
             let bytes = shape.iter().product::<usize>();
             digests.push(TensorDigest { name: sspec.name.clone(), dtype: dtype_name(sspec.dtype), shape, bytes, digest: d });

@@ -1,8 +1,9 @@
 //! The round-trip check: inverse hooks, then inverse permutation, of the kernel tensors must
 //! reproduce the rank's checkpoint-order data: for FP8 the stored slices themselves (weights,
 //! and the block scales recompressed from the per-row scales), for BF16 the MXFP8
-//! quantization of the stored slices, recomputed here in checkpoint order with the plain
-//! (unpermuted) quantizer.
+//! quantization of the stored slices in checkpoint order: as the load's quantizer produced it
+//! (digested in checkpoint order before its blocks were placed), or, where the load did not
+//! record that (a device quantizer), recomputed here with the plain (unpermuted) quantizer.
 
 use orchestrator_kernels::mxfp8::quantize_bf16_rows;
 use orchestrator_kernels::params::{CheckpointOrderView, OPermutation, QPermutation};
@@ -136,6 +137,11 @@ fn compare<B: Backend>(
             }
         }
         WeightFormat::Bf16 => {
+            if let Some((_, q)) = layer.quantized.iter().find(|(name, _)| *name == wname) {
+                expect_digest(out, &format!("{wname} (MXFP8 elements)"), Some(q.elements), wd);
+                expect_digest(out, &format!("{wname} (MXFP8 scales)"), Some(q.scales), sd);
+                return Ok(());
+            }
             // Re-read the slice and quantize it plainly, in checkpoint order.
             let g = &ctx.weights.identity.geometry;
             let spec = layer_tensors(g, ctx.format, layer.layer).into_iter().find(|s| s.param == param && s.part == Part::Weight);

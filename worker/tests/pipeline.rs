@@ -164,20 +164,36 @@ fn the_round_trip_catches_every_injected_fault() {
     for bf16 in [false, true] {
         let config = ModelConfig::from_preset(Preset::Tiny, Some(2), bf16).unwrap();
         let source = LoadSource::Dummy { config, generator: Generator::new(5) };
-        assert!(check_rank(&CpuBackend, &load(&source, 2, 1, ScaleRule::Rceil), &source).ok);
-        for (fault, tensor) in [
-            (Fault::SkipQPermutation, "wq_b"),
-            (Fault::DoubleQPermutation, "wq_b"),
-            (Fault::SkipOScaleChunkPermutation, "wo_a"),
-            (Fault::SwapHeads(0, 1), "wq_b"),
-            (Fault::StaleReload, "wo_a"),
-        ] {
-            let mut w = load(&source, 2, 1, ScaleRule::Rceil);
-            inject_on(&CpuBackend, &mut w, fault).unwrap();
-            let rt = check_rank(&CpuBackend, &w, &source);
-            assert!(!rt.ok, "{fault:?} (bf16 {bf16}) passed the round trip");
-            assert!(rt.failures.iter().any(|f| f.contains(&format!("attn.{tensor}"))), "{fault:?}: {:?}", rt.failures);
-            assert!(rt.failures.iter().all(|f| !f.contains("wo_b")), "{fault:?}: {:?}", rt.failures);
+        // BF16: against the quantization the load recorded in checkpoint order, and (with that
+        // record dropped, as on a device quantizer) against the source quantized afresh.
+        for recorded in [true, false] {
+            let forget = |w: &mut orchestrator_worker::RankWeights<CpuBackend>| {
+                assert_eq!(w.layers.iter().all(|l| !l.quantized.is_empty()), bf16, "the load records BF16 quantizations only");
+                if !recorded {
+                    w.layers.iter_mut().for_each(|l| l.quantized.clear());
+                }
+            };
+            if !bf16 && !recorded {
+                continue;
+            }
+            let mut intact = load(&source, 2, 1, ScaleRule::Rceil);
+            forget(&mut intact);
+            assert!(check_rank(&CpuBackend, &intact, &source).ok);
+            for (fault, tensor) in [
+                (Fault::SkipQPermutation, "wq_b"),
+                (Fault::DoubleQPermutation, "wq_b"),
+                (Fault::SkipOScaleChunkPermutation, "wo_a"),
+                (Fault::SwapHeads(0, 1), "wq_b"),
+                (Fault::StaleReload, "wo_a"),
+            ] {
+                let mut w = load(&source, 2, 1, ScaleRule::Rceil);
+                forget(&mut w);
+                inject_on(&CpuBackend, &mut w, fault).unwrap();
+                let rt = check_rank(&CpuBackend, &w, &source);
+                assert!(!rt.ok, "{fault:?} (bf16 {bf16}, recorded {recorded}) passed the round trip");
+                assert!(rt.failures.iter().any(|f| f.contains(&format!("attn.{tensor}"))), "{fault:?}: {:?}", rt.failures);
+                assert!(rt.failures.iter().all(|f| !f.contains("wo_b")), "{fault:?}: {:?}", rt.failures);
+            }
         }
     }
 }
