@@ -62,12 +62,12 @@ impl Rotation {
         self.with(|r| r[dp as usize].version.clone())
     }
 
-    /// The next replica in rotation (round robin), if any serves.
-    pub fn pick(&self) -> Option<u32> {
+    /// The next replica in rotation (round robin) that is not in `tried`, if any serves.
+    pub fn pick_except(&self, tried: &[u32]) -> Option<u32> {
         let serving: Vec<bool> = self.with(|r| r.iter().map(|s| s.serving).collect());
         let n = serving.len();
         let start = self.next.fetch_add(1, Ordering::Relaxed);
-        (0..n).map(|i| (start + i) % n).find(|&r| serving[r]).map(|r| r as u32)
+        (0..n).map(|i| (start + i) % n).find(|&r| serving[r] && !tried.contains(&(r as u32))).map(|r| r as u32)
     }
 
     /// Takes a replica out of rotation, with why. Returns whether it was serving.
@@ -156,11 +156,11 @@ mod tests {
     #[test]
     fn pick_skips_replicas_out_of_rotation_and_reinstated_ones_return() {
         let r = Rotation::new(vec!["a".into(), "a".into(), "a".into()]);
-        let picks: Vec<u32> = (0..3).filter_map(|_| r.pick()).collect();
+        let picks: Vec<u32> = (0..3).filter_map(|_| r.pick_except(&[])).collect();
         assert_eq!(picks, [0, 1, 2]);
         assert!(r.pull(1, "rank dp1/tp0 stopped answering"));
         assert!(!r.pull(1, "again"), "already out");
-        let picks: Vec<u32> = (0..4).filter_map(|_| r.pick()).collect();
+        let picks: Vec<u32> = (0..4).filter_map(|_| r.pick_except(&[])).collect();
         assert!(!picks.contains(&1), "{picks:?}");
         assert!(r.reinstate(1, "b", false));
         assert_eq!((r.state(1).serving, r.version(1), r.state(1).out), (true, "b".to_string(), None));
@@ -171,9 +171,16 @@ mod tests {
         assert!(r.reinstate(2, "b", true));
         r.release(2);
         r.pull(2, "probe failed");
-        assert_eq!(r.pick(), Some(1));
-        assert_eq!(r.pick(), Some(1));
+        assert_eq!(r.pick_except(&[]), Some(1));
+        assert_eq!(r.pick_except(&[]), Some(1));
         r.pull(1, "x");
-        assert_eq!(r.pick(), None);
+        assert_eq!(r.pick_except(&[]), None);
+        // A retry skips the replicas it tried.
+        let r = Rotation::new(vec!["a".into(), "a".into(), "a".into()]);
+        r.pull(1, "x");
+        let first = r.pick_except(&[]).unwrap();
+        let second = r.pick_except(&[first]).unwrap();
+        assert!(first != 1 && second != 1 && first != second, "{first} {second}");
+        assert_eq!(r.pick_except(&[first, second]), None);
     }
 }

@@ -67,36 +67,35 @@ pub fn judge_probe(results: &RankResults<pb::ProbeResult>) -> Result<(String, St
     }
 }
 
-/// One probe through the rotation. A probe whose ranks fail or disagree (on `y` or on the
-/// version they hold) fails loudly and takes its replica out of rotation; the version counted
-/// is the one the ranks said they probed.
 /// The error of a routed probe when no replica serves.
 pub const NO_REPLICA: &str = "no replica in rotation";
 
+/// One probe through the rotation. A probe whose ranks fail or disagree (on `y` or on the
+/// version they hold) takes its replica out of rotation at once, even when an update owns the
+/// replica (a replica keeps serving while it stages; the update, or else the health loop,
+/// proves it again before it serves), and the probe is tried again on the next replica in
+/// rotation, each replica at most once: it fails only when every replica it tried failed, with
+/// every replica's reason. The version counted is the one the ranks said they probed.
 pub async fn routed_probe(cluster: &Cluster, rotation: &Rotation, spec: ProbeSpec) -> pb::RoutedProbeResult {
-    let Some(replica) = rotation.pick() else {
-        return pb::RoutedProbeResult { ok: false, replica: 0, checkpoint_version: String::new(), error: NO_REPLICA.into() };
-    };
-    let results = cluster.probe_in(Some(replica), (spec.tokens as u32, spec.latents as u32, spec.seed), false, true).await;
-    match judge_probe(&results) {
-        Ok((version, _)) => {
-            rotation.observed_version(replica, &version);
-            pb::RoutedProbeResult { ok: true, replica, checkpoint_version: version, error: String::new() }
-        }
-        Err(why) => {
-            // Out of rotation at once, even when an update owns the replica (a replica keeps
-            // serving while it stages): the update, or else the health loop, proves it again
-            // before it serves.
-            rotation.pull(replica, &format!("a routed probe failed: {why}"));
-            tracing::warn!(replica, "routed probe failed, replica out of rotation: {why}");
-            pb::RoutedProbeResult {
-                ok: false,
-                replica,
-                checkpoint_version: String::new(),
-                error: format!("replica dp{replica} (now out of rotation): {why}"),
+    let mut tried: Vec<u32> = Vec::new();
+    let mut errors: Vec<String> = Vec::new();
+    while let Some(replica) = rotation.pick_except(&tried) {
+        tried.push(replica);
+        let results = cluster.probe_in(Some(replica), (spec.tokens as u32, spec.latents as u32, spec.seed), false, true).await;
+        match judge_probe(&results) {
+            Ok((version, _)) => {
+                rotation.observed_version(replica, &version);
+                return pb::RoutedProbeResult { ok: true, replica, checkpoint_version: version, error: String::new() };
+            }
+            Err(why) => {
+                rotation.pull(replica, &format!("a routed probe failed: {why}"));
+                tracing::warn!(replica, "routed probe failed, replica out of rotation: {why}");
+                errors.push(format!("replica dp{replica} (now out of rotation): {why}"));
             }
         }
     }
+    let error = if errors.is_empty() { NO_REPLICA.to_string() } else { errors.join("; ") };
+    pb::RoutedProbeResult { ok: false, replica: tried.last().copied().unwrap_or(0), checkpoint_version: String::new(), error }
 }
 
 /// How a replica out of rotation must prove itself before it serves again.
@@ -534,8 +533,18 @@ async fn abort_batch(
             match try_reinstate(cluster, rotation, dp, probe, Proof::Verified, true).await {
                 Ok(_) => String::new(),
                 Err(why) => {
-                    rotation.pull(dp, &format!("its probe after the abort failed: {why}"));
-                    format!(" (its probe after the abort failed: out of rotation: {why})")
+                    // A rank that died just before the abort may be known dead only now.
+                    let dead = cluster.down_in(dp).await.into_iter().flatten().find(|(dead, _)| *dead).map(|(_, why)| why);
+                    match dead {
+                        Some(dead) => {
+                            rotation.mark_dead(dp, &dead);
+                            format!(" ({dead}: out of rotation; its probe after the abort failed: {why})")
+                        }
+                        None => {
+                            rotation.pull(dp, &format!("its probe after the abort failed: {why}"));
+                            format!(" (its probe after the abort failed: out of rotation: {why})")
+                        }
+                    }
                 }
             }
         };

@@ -157,8 +157,9 @@ fn a_worker_killed_mid_stage_leaves_its_group_on_the_old_version() {
     assert!(has_step(&events, 1, "aborted") && !has_step(&events, 1, "committed"), "{events:#?}");
     assert_eq!(events.last().unwrap()["event"], "update_end");
     assert_eq!(events.last().unwrap()["ok"], false);
-    // Probes never failed while it happened (dp1 was out of rotation from the start of its
-    // stage), and the rest keep serving: every later probe goes to dp0, on B.
+    // Probes never failed while it happened (dp1 keeps serving while it stages; a probe that
+    // meets its dying rank takes it out of rotation and is served by dp0), and the rest keep
+    // serving: every later probe goes to dp0, on B.
     let probes = load.wait_with_output().unwrap();
     let probes: Value = serde_json::from_slice(&probes.stdout).unwrap();
     assert_eq!(probes["failed"], 0, "{probes}");
