@@ -82,7 +82,7 @@ impl SourceRecord {
                 pb::load_source::Kind::Dummy(pb::DummySource { preset: preset.clone(), layers: *layers, seed: *seed, bf16: *bf16 })
             }
         };
-        pb::LoadSource { kind: Some(kind) }
+        pb::LoadSource { kind: Some(kind), content: None }
     }
 }
 

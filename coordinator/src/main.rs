@@ -126,6 +126,11 @@ struct UpdateArgs {
     /// Replicas updated at once (never all of them while more than one exists).
     #[arg(long, default_value_t = 1)]
     max_unavailable: u32,
+    /// Replicas staging at once (default: every replica). Each stages beside the weights it
+    /// serves, so each rank holds two versions while it stages: on one host whose ranks share
+    /// its memory, this bounds how many do at a time.
+    #[arg(long)]
+    max_staging: Option<u32>,
 }
 
 #[derive(Args)]
@@ -443,12 +448,17 @@ async fn coordinator_client(
 fn update_cmd(a: UpdateArgs) -> anyhow::Result<bool> {
     use orchestrator_proto::v1 as pb;
     anyhow::ensure!(a.max_unavailable >= 1, "--max-unavailable must be at least 1");
+    anyhow::ensure!(a.max_staging != Some(0), "--max-staging must be at least 1");
     let dir = a.checkpoint.canonicalize().with_context(|| format!("--checkpoint {}", a.checkpoint.display()))?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async {
         let (mut client, token) = coordinator_client(&a.remote).await?;
         let req = orchestrator_worker::auth::request(
-            pb::UpdateRequest { checkpoint_dir: dir.display().to_string(), max_unavailable: a.max_unavailable },
+            pb::UpdateRequest {
+                checkpoint_dir: dir.display().to_string(),
+                max_unavailable: a.max_unavailable,
+                max_staging: a.max_staging.unwrap_or(0),
+            },
             std::time::Duration::from_secs(3600),
             token.as_ref(),
         );

@@ -235,6 +235,7 @@ async fn resolve(
         dir,
         probe,
         max_unavailable: pending.max_unavailable,
+        max_staging: 0,
         replicas: Some(behind.clone()),
         journal: Some((journal, pending.update + 1, from)),
         roots,

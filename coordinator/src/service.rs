@@ -90,8 +90,8 @@ impl Coordinator for CoordinatorService {
         // connection, its deadline) cancels only its wait for the answer, never the protocol
         // halfway (a replica left owned, a decision not driven, an update without its end).
         let dir = std::path::PathBuf::from(&r.checkpoint_dir);
-        let max_unavailable = r.max_unavailable.max(1);
-        tokio::spawn(async move { run_update(&session, &dir, max_unavailable).await })
+        let (max_unavailable, max_staging) = (r.max_unavailable.max(1), r.max_staging);
+        tokio::spawn(async move { run_update(&session, &dir, max_unavailable, max_staging).await })
             .await
             .map_err(|e| Status::internal(format!("update task: {e}")))?
             .map(Response::new)
@@ -125,7 +125,12 @@ impl Coordinator for CoordinatorService {
 }
 
 /// One rolling update to `dir` and the consistency report after it.
-async fn run_update(session: &Session, dir: &std::path::Path, max_unavailable: u32) -> Result<pb::UpdateResponse, Status> {
+async fn run_update(
+    session: &Session,
+    dir: &std::path::Path,
+    max_unavailable: u32,
+    max_staging: u32,
+) -> Result<pb::UpdateResponse, Status> {
     let _one_update_at_a_time = session.update_lock.lock().await;
     let (update, from) = {
         let mut st = session.state();
@@ -136,6 +141,7 @@ async fn run_update(session: &Session, dir: &std::path::Path, max_unavailable: u
         dir,
         probe: session.update_probe(),
         max_unavailable,
+        max_staging,
         replicas: None,
         journal: session.journal.as_deref().map(|j| (j, update, from)),
         roots: &session.roots,
@@ -176,7 +182,7 @@ mod tests {
     /// An update naming a 15 MB path is refused with a short answer (not one that echoes it).
     #[tokio::test]
     async fn an_oversized_update_request_gets_a_short_refusal() {
-        let req = Request::new(pb::UpdateRequest { checkpoint_dir: "x".repeat(15 << 20), max_unavailable: 1 });
+        let req = Request::new(pb::UpdateRequest { checkpoint_dir: "x".repeat(15 << 20), max_unavailable: 1, max_staging: 0 });
         let e = service().update(req).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::InvalidArgument);
         assert!(e.message().len() < 200, "{} bytes", e.message().len());
@@ -186,7 +192,7 @@ mod tests {
     /// with a code the update client does not take for a lost coordinator.
     #[tokio::test]
     async fn calls_before_the_cluster_serves_say_nothing_started() {
-        let req = Request::new(pb::UpdateRequest { checkpoint_dir: "/ck/B".into(), max_unavailable: 1 });
+        let req = Request::new(pb::UpdateRequest { checkpoint_dir: "/ck/B".into(), max_unavailable: 1, max_staging: 0 });
         let e = service().update(req).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition);
         assert!(e.message().contains("nothing was started"), "{}", e.message());

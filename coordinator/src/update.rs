@@ -32,6 +32,8 @@ pub struct UpdatePlan<'a> {
     pub dir: &'a Path,
     pub probe: ProbeSpec,
     pub max_unavailable: u32,
+    /// Replicas staging at once (0: every replica of the update).
+    pub max_staging: u32,
     /// The replicas to update (all when `None`).
     pub replicas: Option<Vec<u32>>,
     /// Where to journal the update's steps, its number, and the source it moves from.
@@ -227,8 +229,9 @@ pub struct UpdateDocument {
 }
 
 /// Validates the new checkpoint against the running plan and the allowed roots before any
-/// replica is touched: the new version.
-pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots) -> Result<String, String> {
+/// replica is touched: the new version, and the claim on it that lets each worker on this host
+/// adopt the version instead of hashing the checkpoint again.
+pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots) -> Result<(String, Option<pb::ContentClaim>), String> {
     let dir = roots.check(dir).map_err(|e| format!("new checkpoint: {e}"))?;
     let ck = Checkpoint::open_within(&dir, roots).map_err(|e| format!("new checkpoint {}: {e}", dir.display()))?;
     if ck.config.geometry != running.geometry || ck.config.format != running.format {
@@ -245,7 +248,8 @@ pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots) -> Resu
     if !report.valid {
         return Err(format!("new checkpoint {} is invalid: {}", dir.display(), report.problems.join("; ")));
     }
-    Ok(orchestrator_worker::LoadSource::Safetensors(ck).version())
+    let claim = ck.content_claim().map(|c| orchestrator_worker::source::claim_to_pb(&c));
+    Ok((orchestrator_worker::LoadSource::Safetensors(ck).version(), claim))
 }
 
 /// Rolls `dir` across the replicas, at most `max_unavailable` at a time (never all of them
@@ -267,7 +271,7 @@ pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &Mo
 }
 
 async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, plan: UpdatePlan<'_>) -> UpdateOutcome {
-    let UpdatePlan { dir, probe, max_unavailable, replicas, journal, roots, commit_timeout } = plan;
+    let UpdatePlan { dir, probe, max_unavailable, max_staging, replicas, journal, roots, commit_timeout } = plan;
     let start = Instant::now();
     let mut steps = Vec::new();
     let mut pending_commits = BTreeMap::new();
@@ -292,7 +296,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         return finish(false, String::new(), vec![why], pending_commits);
     }
     let validate_started = Instant::now();
-    let new_version = match tokio::task::spawn_blocking({
+    let (new_version, claim) = match tokio::task::spawn_blocking({
         let (dir, running, roots) = (dir.to_path_buf(), running.clone(), roots.clone());
         move || validate(&dir, &running, &roots)
     })
@@ -308,7 +312,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         validate_started.elapsed().as_secs_f64()
     ));
     let target = SourceRecord::Checkpoint { dir: dir.to_path_buf() };
-    let source = target.to_pb();
+    let source = pb::LoadSource { content: claim, ..target.to_pb() };
     let update = journal.as_ref().map_or(0, |(_, id, _)| *id);
     // Steps that must be on disk before the workers act on them fail the update when they
     // cannot be written; the rest are noted (what happened on the workers stays true).
@@ -344,139 +348,203 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         })
         .collect();
     crate::metrics::metrics().update_started(replicas.len());
-    let mut reference_y: Option<String> = None;
-    // What the first verified replica proved; the later ones are checked against it.
-    let mut verified: Option<VerifiedVersion> = None;
-    for group in rollout::batches(&replicas, max_unavailable, cluster.dp) {
-        let mut failure: Option<(u32, String)> = None;
-        for &dp in &group {
-            if let Err(e) = record(Event::UpdateStep { update, dp, step: Step::Staging }) {
-                failure.get_or_insert((dp, e));
-            }
-            // Staged beside its active weights, the replica keeps serving them; it leaves
-            // rotation only to be verified and swapped.
-            rotation.take_for_update(dp, false);
-        }
-        let staged = if failure.is_none() {
-            let proof = verified.as_ref();
-            futures_util::future::join_all(
-                group.iter().map(|&dp| stage_and_verify(cluster, rotation, dp, &source, &new_version, probe, proof)),
-            )
-            .await
-        } else {
-            Vec::new()
-        };
-        // Every replica of the batch must verify, and all must agree on y with each other and
-        // with the replicas already updated; every rank must still be up at the decision.
-        for (&dp, r) in group.iter().zip(&staged) {
-            let verification = match r {
-                Err(e) => Err(e.clone()),
-                Ok(staged) => match &reference_y {
-                    Some(r) if *r != staged.y => {
-                        Err(fail(VerifyRule::YAgreement, format!("staged y {} differs from the already verified replicas' {r}", staged.y)))
-                    }
-                    _ => {
-                        reference_y = Some(staged.y.clone());
-                        if verified.is_none() {
-                            verified = Some(staged.proof.clone());
-                        }
-                        Ok(())
-                    }
-                },
+    let batches = rollout::batches(&replicas, max_unavailable, cluster.dp);
+    // Every replica stages at once (at most `max_staging` at a time), beside its active weights
+    // and serving them: each rank's shadow lies beside its own active weights, so staging every
+    // replica together takes no more memory per rank than staging one at a time. Batches are then
+    // verified and swapped in order while the later ones are still staging.
+    let first_batch: Vec<u32> = batches.first().cloned().unwrap_or_default();
+    let limit = if max_staging == 0 { replicas.len().max(1) } else { max_staging as usize };
+    let permits = tokio::sync::Semaphore::new(limit);
+    let stopping = std::sync::atomic::AtomicBool::new(false);
+    let mut receivers = BTreeMap::new();
+    let mut senders = Vec::new();
+    for &dp in &replicas {
+        let (tx, rx) = tokio::sync::oneshot::channel::<StageOutcome>();
+        receivers.insert(dp, rx);
+        senders.push((dp, tx));
+    }
+    let stager = futures_util::future::join_all(senders.into_iter().map(|(dp, tx)| {
+        let (permits, stopping, record, source, new_version) = (&permits, &stopping, &record, &source, &new_version);
+        // The first batch prepares the reference while it stages (later ones are verified against
+        // what the first proved).
+        let reference = first_batch.contains(&dp).then_some(probe);
+        async move {
+            let _permit = permits.acquire().await;
+            let outcome = if stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                StageOutcome::NotStarted
+            } else if let Err(e) = record(Event::UpdateStep { update, dp, step: Step::Staging }) {
+                StageOutcome::Done(Err(unreachable_rank(&e)))
+            } else {
+                // Staged beside its active weights, the replica keeps serving them; it leaves
+                // rotation only to be verified and swapped.
+                rotation.take_for_update(dp, false);
+                StageOutcome::Done(stage_replica(cluster, dp, source, new_version, reference).await)
             };
-            if let Err(e) = &verification {
-                tracing::warn!(replica = dp, version = %new_version, rule = e.rule.label(), "staged version failed verification: {}", e.why);
-                crate::metrics::metrics().verification_failed(e.rule.label());
-            }
-            let verification = verification.map_err(|e| e.why);
-            let unhealthy: Vec<String> = cluster.down_in(dp).await.into_iter().flatten().map(|(_, why)| why).collect();
-            if let Decision::Abort { why } = rollout::decide(verification, &unhealthy) {
-                failure.get_or_insert((dp, why));
-            }
+            let _ = tx.send(outcome);
         }
-        // The commit decision of each replica, on disk before any of its ranks is told to swap.
-        // Once one is on disk that replica is committed, whatever happens to the rest of the
-        // batch: a failure to write the next one aborts only the replicas not yet decided.
-        let mut decided: Vec<u32> = Vec::new();
-        if failure.is_none() {
-            for &dp in &group {
-                note(Event::UpdateStep { update, dp, step: Step::Verified });
-            }
-            for &dp in &group {
-                match record(Event::UpdateStep { update, dp, step: Step::Decided }) {
-                    Ok(()) => decided.push(dp),
-                    Err(e) => {
-                        failure.get_or_insert((dp, e));
-                        break;
+    }));
+    let process = async {
+        let mut reference_y: Option<String> = None;
+        // What the first verified replica proved; the later ones are checked against it.
+        let mut verified: Option<VerifiedVersion> = None;
+        let mut rest = batches.iter();
+        let ended = 'batches: loop {
+            let Some(group) = rest.next() else { break 'batches None };
+            let staged = {
+                let proof = verified.clone();
+                let waits = group.iter().map(|dp| (*dp, receivers.remove(dp)));
+                futures_util::future::join_all(waits.map(|(dp, rx)| {
+                    let proof = proof.clone();
+                    let new_version = &new_version;
+                    async move {
+                        let stage_s = match rx {
+                            Some(rx) => match rx.await {
+                                Ok(StageOutcome::Done(r)) => r?,
+                                _ => return Err(unreachable_rank("its stage did not run")),
+                            },
+                            None => return Err(unreachable_rank("its stage did not run")),
+                        };
+                        verify_staged(cluster, rotation, dp, new_version, probe, proof.as_ref(), stage_s).await
                     }
-                }
-            }
-        }
-        let undecided: Vec<u32> = group.iter().copied().filter(|dp| !decided.contains(dp)).collect();
-        if let Some((failed, e)) = &failure {
-            abort_batch(cluster, rotation, &undecided, &record, update, probe, *failed, e, &mut steps).await;
-            if decided.is_empty() {
-                end(false, &format!("replica dp{failed} failed: {e}"));
-                return finish(false, new_version, steps, pending_commits);
-            }
-        }
-        // Decided: drive every rank of every decided replica to the new version.
-        let commit_started = Instant::now();
-        let statuses =
-            futures_util::future::join_all(decided.iter().map(|&dp| drive_commit(cluster, dp, &new_version, commit_timeout))).await;
-        let commit_s = commit_started.elapsed().as_secs_f64();
-        let mut stuck = Vec::new();
-        for (&dp, status) in decided.iter().zip(statuses) {
-            let r = &staged[group.iter().position(|g| *g == dp).unwrap_or(0)];
-            let detail = r.as_ref().map(|s| s.detail.as_str()).unwrap_or_default();
-            match status {
-                CommitStatus::Done => {
-                    crate::metrics::metrics().update_replica_done();
-                    note(Event::UpdateStep { update, dp, step: Step::Committed });
-                    rotation.observed_version(dp, &new_version);
-                    let y = r.as_ref().map(|s| s.y.as_str()).unwrap_or_default();
-                    let proof = Proof::SameAsStaged { version: &new_version, y };
-                    let t = Instant::now();
-                    let reinstated = try_reinstate(cluster, rotation, dp, probe, proof, true).await;
-                    let reinstate_s = t.elapsed().as_secs_f64();
-                    let back = match reinstated {
-                        Ok(_) => String::new(),
-                        Err(why) => {
-                            rotation.pull(dp, &format!("its probe after the commit failed: {why}"));
-                            format!("; its probe after the commit failed, out of rotation: {why}")
+                }))
+                .await
+            };
+            let mut failure: Option<(u32, String)> = None;
+            // Every replica of the batch must verify, and all must agree on y with each other and
+            // with the replicas already updated; every rank must still be up at the decision.
+            for (&dp, r) in group.iter().zip(&staged) {
+                let verification = match r {
+                    Err(e) => Err(e.clone()),
+                    Ok(staged) => match &reference_y {
+                        Some(r) if *r != staged.y => Err(fail(
+                            VerifyRule::YAgreement,
+                            format!("staged y {} differs from the already verified replicas' {r}", staged.y),
+                        )),
+                        _ => {
+                            reference_y = Some(staged.y.clone());
+                            if verified.is_none() {
+                                verified = Some(staged.proof.clone());
+                            }
+                            Ok(())
                         }
-                    };
-                    tracing::info!(replica = dp, version = %new_version, commit_s, reinstate_s, "replica swapped to the new version");
-                    steps.push(format!(
-                        "replica dp{dp}: {detail}; swapped to {new_version} in {commit_s:.2} s, probed back in {reinstate_s:.2} s{back}"
-                    ));
+                    },
+                };
+                if let Err(e) = &verification {
+                    tracing::warn!(replica = dp, version = %new_version, rule = e.rule.label(), "staged version failed verification: {}", e.why);
+                    crate::metrics::metrics().verification_failed(e.rule.label());
                 }
-                CommitStatus::Stuck { ranks } => {
-                    let labels: Vec<String> = ranks.iter().map(|(tp, why)| format!("rank dp{dp}/tp{tp} {why}")).collect();
-                    let dead = ranks.iter().any(|(_, why)| why.starts_with("dead"));
-                    let why = format!("commit to {new_version} decided, not confirmed by every rank: {}", labels.join("; "));
-                    if dead {
-                        rotation.mark_dead(dp, &why);
-                    } else {
-                        rotation.pull(dp, &why);
-                    }
-                    rotation.set_pending_commit(dp, Some(new_version.clone()));
-                    pending_commits.insert(dp, new_version.clone());
-                    steps.push(format!("replica dp{dp}: {detail}; {why}; out of rotation until every rank confirms {new_version}"));
-                    stuck.push(dp);
+                let verification = verification.map_err(|e| e.why);
+                let unhealthy: Vec<String> = cluster.down_in(dp).await.into_iter().flatten().map(|(_, why)| why).collect();
+                if let Decision::Abort { why } = rollout::decide(verification, &unhealthy) {
+                    failure.get_or_insert((dp, why));
                 }
-                CommitStatus::Pending { .. } => unreachable!("drive_commit returns only done or stuck"),
             }
-            rotation.release(dp);
+            // The commit decision of each replica, on disk before any of its ranks is told to swap.
+            // Once one is on disk that replica is committed, whatever happens to the rest of the
+            // batch: a failure to write the next one aborts only the replicas not yet decided.
+            let mut decided: Vec<u32> = Vec::new();
+            if failure.is_none() {
+                for &dp in group {
+                    note(Event::UpdateStep { update, dp, step: Step::Verified });
+                }
+                for &dp in group {
+                    match record(Event::UpdateStep { update, dp, step: Step::Decided }) {
+                        Ok(()) => decided.push(dp),
+                        Err(e) => {
+                            failure.get_or_insert((dp, e));
+                            break;
+                        }
+                    }
+                }
+            }
+            let undecided: Vec<u32> = group.iter().copied().filter(|dp| !decided.contains(dp)).collect();
+            if let Some((failed, e)) = &failure {
+                let (failed, e) = (*failed, e.clone());
+                let why = |dp: u32| {
+                    ("FAILED", if dp == failed { e.clone() } else { format!("aborted with its batch (replica dp{failed} failed)") })
+                };
+                abort_batch(cluster, rotation, &undecided, &record, update, probe, &why, &mut steps).await;
+                if decided.is_empty() {
+                    break 'batches Some((failed, format!("replica dp{failed} failed: {e}")));
+                }
+            }
+            // Decided: drive every rank of every decided replica to the new version.
+            let commit_started = Instant::now();
+            let statuses =
+                futures_util::future::join_all(decided.iter().map(|&dp| drive_commit(cluster, dp, &new_version, commit_timeout))).await;
+            let commit_s = commit_started.elapsed().as_secs_f64();
+            let mut stuck = Vec::new();
+            for (&dp, status) in decided.iter().zip(statuses) {
+                let r = &staged[group.iter().position(|g| *g == dp).unwrap_or(0)];
+                let detail = r.as_ref().map(|s| s.detail.as_str()).unwrap_or_default();
+                match status {
+                    CommitStatus::Done => {
+                        crate::metrics::metrics().update_replica_done();
+                        note(Event::UpdateStep { update, dp, step: Step::Committed });
+                        rotation.observed_version(dp, &new_version);
+                        let y = r.as_ref().map(|s| s.y.as_str()).unwrap_or_default();
+                        let proof = Proof::SameAsStaged { version: &new_version, y };
+                        let t = Instant::now();
+                        let reinstated = try_reinstate(cluster, rotation, dp, probe, proof, true).await;
+                        let reinstate_s = t.elapsed().as_secs_f64();
+                        let back = match reinstated {
+                            Ok(_) => String::new(),
+                            Err(why) => {
+                                rotation.pull(dp, &format!("its probe after the commit failed: {why}"));
+                                format!("; its probe after the commit failed, out of rotation: {why}")
+                            }
+                        };
+                        tracing::info!(replica = dp, version = %new_version, commit_s, reinstate_s, "replica swapped to the new version");
+                        steps.push(format!(
+                            "replica dp{dp}: {detail}; swapped to {new_version} in {commit_s:.2} s, probed back in {reinstate_s:.2} s{back}"
+                        ));
+                    }
+                    CommitStatus::Stuck { ranks } => {
+                        let labels: Vec<String> = ranks.iter().map(|(tp, why)| format!("rank dp{dp}/tp{tp} {why}")).collect();
+                        let dead = ranks.iter().any(|(_, why)| why.starts_with("dead"));
+                        let why = format!("commit to {new_version} decided, not confirmed by every rank: {}", labels.join("; "));
+                        if dead {
+                            rotation.mark_dead(dp, &why);
+                        } else {
+                            rotation.pull(dp, &why);
+                        }
+                        rotation.set_pending_commit(dp, Some(new_version.clone()));
+                        pending_commits.insert(dp, new_version.clone());
+                        steps.push(format!("replica dp{dp}: {detail}; {why}; out of rotation until every rank confirms {new_version}"));
+                        stuck.push(dp);
+                    }
+                    CommitStatus::Pending { .. } => unreachable!("drive_commit returns only done or stuck"),
+                }
+                rotation.release(dp);
+            }
+            if let Some((failed, e)) = failure {
+                break 'batches Some((failed, format!("replica dp{failed} failed: {e}; replicas {decided:?} committed before it")));
+            }
+            if !stuck.is_empty() {
+                break 'batches Some((stuck[0], format!("replicas {stuck:?}: commit decided, not confirmed by every rank")));
+            }
+        };
+        // An update that ends early drops what the replicas it did not reach staged (each once
+        // its stage has ended, so that no stage lands after the abort), and stages no more.
+        if let Some((failed, _)) = &ended {
+            stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+            for (dp, rx) in std::mem::take(&mut receivers) {
+                let why = format!("the update ended at replica dp{failed} before its turn");
+                match rx.await {
+                    Ok(StageOutcome::NotStarted) | Err(_) => steps.push(format!("replica dp{dp}: not updated, {why}")),
+                    Ok(StageOutcome::Done(_)) => {
+                        abort_batch(cluster, rotation, &[dp], &record, update, probe, &|_| ("not updated", why.clone()), &mut steps).await;
+                    }
+                }
+            }
         }
-        if let Some((failed, e)) = failure {
-            end(false, &format!("replica dp{failed} failed: {e}; replicas {decided:?} committed before it"));
-            return finish(false, new_version, steps, pending_commits);
-        }
-        if !stuck.is_empty() {
-            end(false, &format!("replicas {stuck:?}: commit decided, not confirmed by every rank"));
-            return finish(false, new_version, steps, pending_commits);
-        }
+        ended
+    };
+    let (_, ended) = tokio::join!(stager, process);
+    if let Some((_, why)) = ended {
+        end(false, &why);
+        return finish(false, new_version, steps, pending_commits);
     }
     if !skipped.is_empty() {
         end(false, &format!("every live replica verified and swapped; replicas {skipped:?} skipped (a rank is dead)"));
@@ -484,6 +552,14 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
     }
     end(true, "every replica verified and swapped");
     finish(true, new_version, steps, pending_commits)
+}
+
+/// How one replica's stage ended.
+enum StageOutcome {
+    /// The update ended before the replica's turn to stage came.
+    NotStarted,
+    /// Its seconds of staging, or why it failed.
+    Done(Result<f64, VerifyFailure>),
 }
 
 /// The abort decision for a batch (journaled before any rank is told), then every rank drops
@@ -496,8 +572,7 @@ async fn abort_batch(
     record: &impl Fn(Event) -> Result<(), String>,
     update: u64,
     probe: ProbeSpec,
-    failed: u32,
-    e: &str,
+    why: &(dyn Fn(u32) -> (&'static str, String) + Sync),
     steps: &mut Vec<String>,
 ) {
     for &dp in group {
@@ -549,8 +624,8 @@ async fn abort_batch(
             }
         };
         rotation.release(dp);
-        let why = if dp == failed { e.to_string() } else { format!("aborted with its batch (replica dp{failed} failed)") };
-        steps.push(format!("replica dp{dp}: FAILED, {kept}{out}: {why}"));
+        let (headline, why) = why(dp);
+        steps.push(format!("replica dp{dp}: {headline}, {kept}{out}: {why}"));
     }
 }
 
@@ -620,30 +695,40 @@ struct Staged {
     proof: VerifiedVersion,
 }
 
-/// Stages replica `dp` while it serves its active weights, then takes it out of rotation (when
-/// another replica can serve) and verifies what it staged. The first replica of a version
-/// prepares the reference while it stages, so that its verification probe, out of rotation,
-/// runs only the kernel pass against it.
-async fn stage_and_verify(
+/// Stages replica `dp` while it serves its active weights: its seconds of staging. With
+/// `reference`, its ranks prepare that probe's reference while they stage, so that the
+/// verification probe afterwards, out of rotation, runs only the kernel pass against it.
+async fn stage_replica(
     cluster: &Cluster,
-    rotation: &Rotation,
     dp: u32,
     source: &pb::LoadSource,
     new_version: &str,
-    probe: ProbeSpec,
-    verified: Option<&VerifiedVersion>,
-) -> Result<Staged, VerifyFailure> {
-    use VerifyRule::*;
+    reference: Option<ProbeSpec>,
+) -> Result<f64, VerifyFailure> {
     let t = Instant::now();
-    let reference = verified.is_none().then_some(probe);
     let staged = cluster.stage(dp, source, reference).await;
     for (id, r) in &staged {
         let (_, version) = r.as_ref().map_err(|e| unreachable_rank(e))?;
         if version != new_version {
-            return Err(fail(Version, format!("worker {id} staged version {version}, expected {new_version}")));
+            return Err(fail(VerifyRule::Version, format!("worker {id} staged version {version}, expected {new_version}")));
         }
     }
-    let stage_s = t.elapsed().as_secs_f64();
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Takes a staged replica out of rotation (when another replica can serve) and verifies what
+/// it staged: against the reference when it is the first of its version (`verified` is
+/// `None`), else as byte-identical to the replica that was.
+async fn verify_staged(
+    cluster: &Cluster,
+    rotation: &Rotation,
+    dp: u32,
+    new_version: &str,
+    probe: ProbeSpec,
+    verified: Option<&VerifiedVersion>,
+    stage_s: f64,
+) -> Result<Staged, VerifyFailure> {
+    use VerifyRule::*;
     rotation.take_for_update(dp, cluster.dp > 1);
     // Verify the staged version: round trips and versions, then probes and agreement on y.
     let t = Instant::now();

@@ -20,6 +20,9 @@ use crate::names::{TensorSpec, checkpoint_tensors};
 use crate::roots::AllowedRoots;
 use orchestrator_kernels::Digest;
 
+mod claim;
+pub use claim::{ContentClaim, FileIdentity, RACY_MARGIN, VersionFrom};
+
 pub const CONFIG_FILE: &str = "config.json";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -35,6 +38,9 @@ pub struct Checkpoint {
     roots: Option<AllowedRoots>,
     /// See [`Checkpoint::content_version`].
     content_version: String,
+    /// The digest of the frame the version covers (see [`ContentClaim`]).
+    frame: String,
+    version_from: VersionFrom,
 }
 
 /// One memory-mapped shard file with its parsed header.
@@ -43,6 +49,9 @@ pub struct Shard {
     mmap: Mmap,
     data_start: usize,
     tensors: HashMap<String, TensorInfo>,
+    /// The mapped file's identity and when it was taken (see [`ContentClaim`]).
+    identity: Option<FileIdentity>,
+    opened: std::time::SystemTime,
 }
 
 impl Shard {
@@ -55,6 +64,7 @@ impl Shard {
                 ModelError::Io { path: path.to_path_buf(), source }
             }
         })?;
+        let (identity, opened) = (FileIdentity::of(&file), std::time::SystemTime::now());
         // SAFETY: the map is read-only; checkpoints are not modified while loaded (a writer
         // replaces files by rename, which leaves this mapping on the old inode).
         let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
@@ -80,7 +90,7 @@ impl Shard {
         }
         let (n, metadata) = SafeTensors::read_metadata(&mmap).map_err(|e| diagnose(path, &mmap, e, wanted))?;
         let tensors = tensor_infos(&metadata);
-        Ok(Self { path: path.to_path_buf(), mmap, data_start: 8 + n, tensors })
+        Ok(Self { path: path.to_path_buf(), mmap, data_start: 8 + n, tensors, identity, opened })
     }
 
     pub fn info(&self, name: &str) -> Option<&TensorInfo> {
@@ -350,11 +360,55 @@ fn diagnose_offsets(path: &Path, bytes: &[u8], wanted: &str) -> Option<ModelErro
     Some(bad(&broken.0, format!("data_offsets [{}, {}) leave a gap or overlap with the previous tensor", broken.1, broken.2)))
 }
 
+/// An in-scope tensor as the headers describe it.
+enum Scoped {
+    /// Not in the index, or not in its shard's header.
+    Missing,
+    /// Its shard does not open.
+    Unreadable,
+    Found {
+        shard: Arc<Shard>,
+        described: String,
+    },
+}
+
+/// What [`Checkpoint::content_version`] covers, before any tensor byte is read.
+struct Content {
+    head: String,
+    /// The head, then per tensor its name, dtype, shape, file and offsets (or why it is not
+    /// there): everything but the bytes ([`ContentClaim::frame`] is its digest).
+    frame: String,
+    tensors: Vec<(String, Scoped)>,
+}
+
+impl Content {
+    /// The text [`Checkpoint::content_version`] hashes (tensors hashed in parallel).
+    fn text(&self) -> String {
+        use rayon::prelude::*;
+        let lines: Vec<String> = self
+            .tensors
+            .par_iter()
+            .map(|(name, t)| match t {
+                Scoped::Missing => format!("{name} missing\n"),
+                Scoped::Unreadable => format!("{name} unreadable\n"),
+                Scoped::Found { shard, described } => {
+                    format!("{name} {described} {}\n", Digest::of(shard.bytes(name).unwrap_or_default()).hex())
+                }
+            })
+            .collect();
+        let mut text = self.head.clone();
+        for l in lines {
+            text.push_str(&l);
+        }
+        text
+    }
+}
+
 impl Checkpoint {
     /// Opens a checkpoint directory: reads `config.json` and the index (or, for a single-file
     /// export without an index, the header of `model.safetensors`).
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
-        Self::open_inner(dir.to_path_buf(), None)
+        Self::open_inner(dir.to_path_buf(), None, None)
     }
 
     /// [`Checkpoint::open`] of a directory that must lie under `roots`, and so must every file
@@ -364,11 +418,17 @@ impl Checkpoint {
     /// resolves to). A file that does not exist is left to the usual error when it is read. The
     /// checkpoint's directory is the canonical one.
     pub fn open_within(dir: &Path, roots: &AllowedRoots) -> Result<Self, ModelError> {
-        let canonical = roots.check(dir)?;
-        Self::open_inner(canonical, Some(roots.clone()))
+        Self::open_within_claimed(dir, roots, None)
     }
 
-    fn open_inner(dir: PathBuf, roots: Option<AllowedRoots>) -> Result<Self, ModelError> {
+    /// [`Checkpoint::open_within`], adopting the content version of `claim` when this process
+    /// sees the very files it was computed from ([`ContentClaim`]), else hashing as usual.
+    pub fn open_within_claimed(dir: &Path, roots: &AllowedRoots, claim: Option<&ContentClaim>) -> Result<Self, ModelError> {
+        let canonical = roots.check(dir)?;
+        Self::open_inner(canonical, Some(roots.clone()), claim)
+    }
+
+    fn open_inner(dir: PathBuf, roots: Option<AllowedRoots>, claim: Option<&ContentClaim>) -> Result<Self, ModelError> {
         if !dir.is_dir() {
             return Err(ModelError::Io {
                 path: dir.clone(),
@@ -402,9 +462,67 @@ impl Checkpoint {
             shards.lock().unwrap_or_else(|p| p.into_inner()).insert(SINGLE_FILE.to_string(), Arc::new(shard));
             map
         };
-        let mut ck = Self { dir, config, index_file, weight_map, shards, roots, content_version: String::new() };
-        ck.content_version = Digest::of(ck.content_text().as_bytes()).hex();
+        let mut ck = Self {
+            dir,
+            config,
+            index_file,
+            weight_map,
+            shards,
+            roots,
+            content_version: String::new(),
+            frame: String::new(),
+            version_from: VersionFrom::Hashed,
+        };
+        let content = ck.content();
+        ck.frame = Digest::of(content.frame.as_bytes()).hex();
+        match claim {
+            Some(c) if c.frame == ck.frame && ck.files().is_some_and(|f| f == c.files) => {
+                ck.content_version = c.version.clone();
+                ck.version_from = VersionFrom::Claim;
+            }
+            _ => ck.content_version = Digest::of(content.text().as_bytes()).hex(),
+        }
         Ok(ck)
+    }
+
+    /// How the content version was had: hashed here, or adopted from a claim.
+    pub fn version_from(&self) -> VersionFrom {
+        self.version_from
+    }
+
+    /// The claim other processes on this host can open this checkpoint with, adopting its
+    /// version instead of hashing again; `None` when a shard file changed less than
+    /// [`RACY_MARGIN`] before it was opened (or its identity is unknown).
+    pub fn content_claim(&self) -> Option<ContentClaim> {
+        self.claim_with_margin(RACY_MARGIN)
+    }
+
+    /// [`Checkpoint::content_claim`] with another margin (tests of freshly written files).
+    #[doc(hidden)]
+    pub fn claim_with_margin(&self, margin: std::time::Duration) -> Option<ContentClaim> {
+        let shards = self.shards.lock().unwrap_or_else(|p| p.into_inner());
+        if self.in_scope_files().iter().any(|f| shards.get(*f).is_none_or(|s| s.identity.is_none_or(|i| i.racy(s.opened, margin)))) {
+            return None;
+        }
+        drop(shards);
+        Some(ContentClaim { version: self.content_version.clone(), frame: self.frame.clone(), files: self.files()? })
+    }
+
+    /// The shard files the in-scope tensors lie in, sorted.
+    fn in_scope_files(&self) -> Vec<&str> {
+        let mut files: Vec<&str> = checkpoint_tensors(&self.config.geometry, self.config.format)
+            .iter()
+            .filter_map(|s| self.weight_map.get(&s.name).map(String::as_str))
+            .collect();
+        files.sort_unstable();
+        files.dedup();
+        files
+    }
+
+    /// The identity of every opened in-scope shard file (`None` when one is unknown).
+    fn files(&self) -> Option<BTreeMap<String, FileIdentity>> {
+        let shards = self.shards.lock().unwrap_or_else(|p| p.into_inner());
+        self.in_scope_files().into_iter().filter_map(|f| shards.get(f).map(|s| Some((f.to_string(), s.identity?)))).collect()
     }
 
     /// The checkpoint's version: a digest of its content, computed once when it is opened
@@ -433,47 +551,45 @@ impl Checkpoint {
         &self.content_version
     }
 
-    /// The text [`Checkpoint::content_version`] hashes.
-    fn content_text(&self) -> String {
-        use rayon::prelude::*;
+    /// The in-scope tensors as the headers describe them: the frame of the version, and what
+    /// its text needs (each shard is opened once, in order).
+    fn content(&self) -> Content {
         let g = &self.config.geometry;
-        let mut text = format!(
+        let mut head = format!(
             "orchestrator checkpoint content v1\ngeometry hidden={} layers={} heads={} kv_heads={} head_dim={} rope_dim={} \
              q_lora_rank={} o_lora_rank={} o_groups={}\n",
             g.hidden, g.layers, g.heads, g.kv_heads, g.head_dim, g.rope_dim, g.q_lora_rank, g.o_lora_rank, g.o_groups
         );
         match self.config.format {
-            WeightFormat::Fp8 { block: [a, b] } => text.push_str(&format!("format fp8 block={a}x{b}\n")),
-            WeightFormat::Bf16 => text.push_str("format bf16\n"),
+            WeightFormat::Fp8 { block: [a, b] } => head.push_str(&format!("format fp8 block={a}x{b}\n")),
+            WeightFormat::Bf16 => head.push_str("format bf16\n"),
         }
         let mut specs = checkpoint_tensors(g, self.config.format);
         specs.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
-        // Open each shard once (in order), then hash the tensors in parallel.
-        let mut files: Vec<&String> = specs.iter().filter_map(|s| self.weight_map.get(&s.name)).collect();
-        files.sort();
-        files.dedup();
-        let opened: HashMap<&str, Option<Arc<Shard>>> = files
+        let opened: HashMap<&str, Option<Arc<Shard>>> = self
+            .in_scope_files()
             .into_iter()
             .map(|f| {
-                let any = self.weight_map.iter().find(|(_, v)| *v == f).map(|(k, _)| k.as_str()).unwrap_or("(any)");
-                (f.as_str(), self.shard_of(any).ok())
+                let any = self.weight_map.iter().find(|(_, v)| v.as_str() == f).map(|(k, _)| k.as_str()).unwrap_or("(any)");
+                (f, self.shard_of(any).ok())
             })
             .collect();
-        let lines: Vec<String> = specs
-            .par_iter()
+        let mut frame = head.clone();
+        let tensors = specs
+            .into_iter()
             .map(|spec| {
-                let name = &spec.name;
-                let Some(file) = self.weight_map.get(name) else { return format!("{name} missing\n") };
-                let Some(shard) = opened.get(file.as_str()).and_then(Option::as_ref) else { return format!("{name} unreadable\n") };
-                let (Some(info), Some(bytes)) = (shard.info(name), shard.bytes(name)) else { return format!("{name} missing\n") };
+                let name = spec.name;
+                let Some(file) = self.weight_map.get(&name) else { return (name, Scoped::Missing) };
+                let Some(shard) = opened.get(file.as_str()).and_then(Option::as_ref) else { return (name, Scoped::Unreadable) };
+                let Some(info) = shard.info(&name).filter(|_| shard.bytes(&name).is_some()) else { return (name, Scoped::Missing) };
                 let shape = info.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
-                format!("{name} {:?} [{shape}] {}\n", info.dtype, Digest::of(bytes).hex())
+                let described = format!("{:?} [{shape}]", info.dtype);
+                let (a, b) = info.data_offsets;
+                frame.push_str(&format!("{name} {described} {file} {a} {b}\n"));
+                (name, Scoped::Found { shard: shard.clone(), described })
             })
             .collect();
-        for l in lines {
-            text.push_str(&l);
-        }
-        text
+        Content { head, frame, tensors }
     }
 
     pub fn dir(&self) -> &Path {

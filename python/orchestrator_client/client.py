@@ -99,14 +99,24 @@ class Cluster:
             raise _error(e, "report") from None
         return Report.from_json(json.loads(r.json), r.text)
 
-    def update(self, checkpoint: Union[str, Path], max_unavailable: int = 1, timeout: float = 3600.0) -> UpdateOutcome:
+    def update(
+        self,
+        checkpoint: Union[str, Path],
+        max_unavailable: int = 1,
+        timeout: float = 3600.0,
+        max_staging: Optional[int] = None,
+    ) -> UpdateOutcome:
         """Rolls `checkpoint` (same geometry) across the replicas, `max_unavailable` at a time, each
-        verified before its all-ranks swap. Returns the outcome on success; raises `UpdateRefused`
-        (nothing touched), `RankLost` or `UpdateFailed` (each with the outcome) otherwise."""
+        verified before its all-ranks swap; every replica stages at once beside the weights it
+        serves (`max_staging` bounds how many). Returns the outcome on success; raises
+        `UpdateRefused` (nothing touched), `RankLost` or `UpdateFailed` (each with the outcome)
+        otherwise."""
         if max_unavailable < 1:
             raise OrchestratorError("max_unavailable must be at least 1")
+        if max_staging is not None and max_staging < 1:
+            raise OrchestratorError("max_staging must be at least 1")
         directory = str(Path(checkpoint).resolve())
-        req = pb.UpdateRequest(checkpoint_dir=directory, max_unavailable=max_unavailable)
+        req = pb.UpdateRequest(checkpoint_dir=directory, max_unavailable=max_unavailable, max_staging=max_staging or 0)
         try:
             r = self._stub.Update(req, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:

@@ -7,7 +7,7 @@ import signal
 import pytest
 from harness import eventually, run, synth
 
-from orchestrator_client import Cluster, RankLost, Report, Unauthenticated, UpdateOutcome, UpdateRefused
+from orchestrator_client import Cluster, OrchestratorError, RankLost, Report, Unauthenticated, UpdateOutcome, UpdateRefused
 
 
 @pytest.fixture
@@ -47,6 +47,12 @@ def test_report_update_probe_and_shutdown(checkpoints, served_factory):
     assert (load.ok, load.served, load.failed) == (True, 5, 0), load
     assert load.by_version == {outcome.new_version: {"served": 5, "failed": 0}}
     assert set(load.by_replica) <= {"dp0", "dp1"} and 0 < load.latency_ms["p50"] <= load.latency_ms["p99"] <= load.latency_ms["max"]
+
+    # Back to A, one replica staging at a time.
+    with pytest.raises(OrchestratorError):
+        client.update(a, max_staging=0)
+    back = client.update(a, max_staging=1)
+    assert back.ok and back.versions == {0: old[0], 1: old[0]}, back.text
 
     client.shutdown()
     assert served.proc.wait(timeout=60) == 0

@@ -128,7 +128,11 @@ fn a_worker_killed_mid_stage_leaves_its_group_on_the_old_version() {
     let version_a = versions(&before)[0].clone();
     let load = cluster.probe_load("10", "6");
     let update = cluster.update_in_background(&["--checkpoint", b.to_str().unwrap(), "--json"]);
-    let events = wait_for_journal(&state, Duration::from_secs(60), |e| has_step(e, 1, "staging"));
+    // Every replica stages at once; dp0 is verified and swapped while dp1 still stages.
+    let events = wait_for_journal(&state, Duration::from_secs(60), |e| has_step(e, 0, "committed") && has_step(e, 1, "staging"));
+    assert!(!has_step(&events, 1, "verified"), "dp1 is still staging: {events:#?}");
+    let at = |dp: u32, step: &str| events.iter().position(|e| e["event"] == "update_step" && e["dp"] == dp && e["step"] == step);
+    assert!(at(1, "staging") < at(0, "verified"), "both replicas stage at once, dp1 before dp0 is verified: {events:#?}");
     // Mid-update (dp0 swapped to B, dp1 staging on A) the report is consistent and says why the
     // replicas differ.
     let mid = cluster.report();

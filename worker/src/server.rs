@@ -106,10 +106,17 @@ fn host_name() -> String {
 /// from (config, index, each shard, symlinks resolved), must lie under `roots`.
 pub fn source_from(pb_source: Option<&pb::LoadSource>, roots: &AllowedRoots) -> Result<LoadSource, Status> {
     match pb_source.and_then(|s| s.kind.as_ref()) {
-        Some(Kind::CheckpointDir(dir)) => LoadSource::open_checkpoint_within(std::path::Path::new(dir), roots).map_err(|e| match e {
-            orchestrator_model::ModelError::Roots(e) => Status::permission_denied(e.to_string()),
-            e => Status::invalid_argument(format!("source: {e}")),
-        }),
+        Some(Kind::CheckpointDir(dir)) => {
+            let claim = pb_source
+                .and_then(|s| s.content.as_ref())
+                .map(crate::source::claim_from_pb)
+                .transpose()
+                .map_err(Status::invalid_argument)?;
+            LoadSource::open_checkpoint_claimed(std::path::Path::new(dir), roots, claim.as_ref()).map_err(|e| match e {
+                orchestrator_model::ModelError::Roots(e) => Status::permission_denied(e.to_string()),
+                e => Status::invalid_argument(format!("source: {e}")),
+            })
+        }
         Some(Kind::Dummy(d)) => {
             let preset = d.preset.parse().map_err(|e| Status::invalid_argument(format!("source.dummy.preset: {e}")))?;
             let layers = (d.layers > 0).then_some(d.layers as usize);
@@ -1029,7 +1036,7 @@ mod tests {
             write_checkpoint(&dir, &SynthOptions { config: config.clone(), seed: 1, max_shard_bytes: 1 << 30, preset_name: None }).unwrap();
         }
         let roots = AllowedRoots::new(std::slice::from_ref(&root)).unwrap();
-        let src = |p: &std::path::Path| pb::LoadSource { kind: Some(Kind::CheckpointDir(p.display().to_string())) };
+        let src = |p: &std::path::Path| pb::LoadSource { kind: Some(Kind::CheckpointDir(p.display().to_string())), content: None };
         assert!(source_from(Some(&src(&root.join("ckpt"))), &roots).is_ok());
         for bad in [other.join("ckpt"), root.join("ckpt/../../other/ckpt")] {
             let e = source_from(Some(&src(&bad)), &roots).err().unwrap();
@@ -1044,7 +1051,10 @@ mod tests {
         }
         // No roots: no checkpoint directory at all; dummy sources need none.
         assert!(source_from(Some(&src(&root.join("ckpt"))), &AllowedRoots::default()).is_err());
-        let dummy = pb::LoadSource { kind: Some(Kind::Dummy(pb::DummySource { preset: "tiny".into(), layers: 1, seed: 0, bf16: false })) };
+        let dummy = pb::LoadSource {
+            content: None,
+            kind: Some(Kind::Dummy(pb::DummySource { preset: "tiny".into(), layers: 1, seed: 0, bf16: false })),
+        };
         assert!(source_from(Some(&dummy), &AllowedRoots::default()).is_ok());
     }
 }

@@ -6,7 +6,8 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use orchestrator_model::checkpoint::Shard;
+use orchestrator_model::checkpoint::{ContentClaim, FileIdentity, Shard};
+use orchestrator_proto::v1 as pb;
 
 use orchestrator_model::{AllowedRoots, Checkpoint, Generator, ModelConfig, ModelError, TensorSpec};
 
@@ -26,7 +27,26 @@ impl LoadSource {
     /// A checkpoint directory every file of which lies under `roots`
     /// ([`Checkpoint::open_within`]).
     pub fn open_checkpoint_within(dir: &Path, roots: &AllowedRoots) -> Result<Self, ModelError> {
-        Ok(Self::Safetensors(Checkpoint::open_within(dir, roots)?))
+        Self::open_checkpoint_claimed(dir, roots, None)
+    }
+
+    /// [`LoadSource::open_checkpoint_within`], adopting the claimed content version when this
+    /// process sees the very files it was computed from ([`Checkpoint::open_within_claimed`]).
+    pub fn open_checkpoint_claimed(dir: &Path, roots: &AllowedRoots, claim: Option<&ContentClaim>) -> Result<Self, ModelError> {
+        let ck = Checkpoint::open_within_claimed(dir, roots, claim)?;
+        if claim.is_some() {
+            tracing::info!(dir = %ck.dir().display(), from = ?ck.version_from(), version = ck.content_version(), "opened a claimed checkpoint");
+        }
+        Ok(Self::Safetensors(ck))
+    }
+
+    /// The claim other processes on this host can open the same checkpoint with (`None` for a
+    /// dummy source, or files changed a moment before they were opened).
+    pub fn content_claim(&self) -> Option<ContentClaim> {
+        match self {
+            LoadSource::Safetensors(c) => c.content_claim(),
+            LoadSource::Dummy { .. } => None,
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -120,11 +140,99 @@ impl Fetched {
     }
 }
 
+/// A claim as a `LoadSource.content` message.
+pub fn claim_to_pb(c: &ContentClaim) -> pb::ContentClaim {
+    pb::ContentClaim {
+        version: c.version.clone(),
+        frame: c.frame.clone(),
+        files: c
+            .files
+            .iter()
+            .map(|(name, i)| pb::FileIdentity {
+                name: name.clone(),
+                dev: i.dev,
+                ino: i.ino,
+                size: i.size,
+                mtime_ns: i.mtime_ns,
+                ctime_ns: i.ctime_ns,
+            })
+            .collect(),
+    }
+}
+
+/// The most shard files a claim may name (a real checkpoint has a few hundred).
+pub const MAX_CLAIM_FILES: usize = 1 << 16;
+
+/// A claim from a `LoadSource.content` message, checked: the field that is wrong when it is not.
+pub fn claim_from_pb(c: &pb::ContentClaim) -> Result<ContentClaim, String> {
+    let hex16 = |s: &str| s.len() == 16 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    if !hex16(&c.version) {
+        return Err(format!("source.content.version {:?}: expected 16 lowercase hex digits", truncate(&c.version)));
+    }
+    if !hex16(&c.frame) {
+        return Err(format!("source.content.frame {:?}: expected 16 lowercase hex digits", truncate(&c.frame)));
+    }
+    if c.files.len() > MAX_CLAIM_FILES {
+        return Err(format!("source.content.files: {} files, over the limit of {MAX_CLAIM_FILES}", c.files.len()));
+    }
+    let mut files = std::collections::BTreeMap::new();
+    for f in &c.files {
+        if f.name.is_empty() || f.name.len() > orchestrator_proto::limits::MAX_PATH_BYTES {
+            return Err(format!(
+                "source.content.files: a name of {} bytes (1 to {} allowed)",
+                f.name.len(),
+                orchestrator_proto::limits::MAX_PATH_BYTES
+            ));
+        }
+        let identity = FileIdentity { dev: f.dev, ino: f.ino, size: f.size, mtime_ns: f.mtime_ns, ctime_ns: f.ctime_ns };
+        if files.insert(f.name.clone(), identity).is_some() {
+            return Err(format!("source.content.files: {:?} named twice", truncate(&f.name)));
+        }
+    }
+    Ok(ContentClaim { version: c.version.clone(), frame: c.frame.clone(), files })
+}
+
+/// At most 64 bytes of `s`, on a character boundary (for errors).
+fn truncate(s: &str) -> &str {
+    let mut n = s.len().min(64);
+    while !s.is_char_boundary(n) {
+        n -= 1;
+    }
+    &s[..n]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use orchestrator_model::synth::{SynthOptions, write_checkpoint};
     use orchestrator_model::{Preset, RootsError};
+
+    #[test]
+    fn claims_round_trip_and_bad_ones_name_their_field() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ckpt");
+        let config = ModelConfig::from_preset(Preset::Tiny, Some(1), false).unwrap();
+        write_checkpoint(&dir, &SynthOptions { config, seed: 5, max_shard_bytes: 100_000, preset_name: None }).unwrap();
+        let roots = AllowedRoots::new(&[tmp.path().to_path_buf()]).unwrap();
+        let ck = Checkpoint::open_within(&dir, &roots).unwrap();
+        let claim = ck.claim_with_margin(std::time::Duration::ZERO).unwrap();
+        let wire = claim_to_pb(&claim);
+        assert_eq!(claim_from_pb(&wire).unwrap(), claim);
+        let opened = LoadSource::open_checkpoint_claimed(&dir, &roots, Some(&claim)).unwrap();
+        assert_eq!(opened.version(), ck.content_version());
+        let bad = |f: &dyn Fn(&mut pb::ContentClaim)| {
+            let mut w = wire.clone();
+            f(&mut w);
+            claim_from_pb(&w).unwrap_err()
+        };
+        assert!(bad(&|w| w.version = "ABCDEF0123456789".into()).starts_with("source.content.version"));
+        assert!(bad(&|w| w.version = "é".repeat(40)).starts_with("source.content.version"));
+        assert!(bad(&|w| w.frame.clear()).starts_with("source.content.frame"));
+        assert!(bad(&|w| w.files.push(w.files[0].clone())).contains("named twice"));
+        assert!(bad(&|w| w.files[0].name.clear()).starts_with("source.content.files"));
+        let many = bad(&|w| w.files = vec![w.files[0].clone(); MAX_CLAIM_FILES + 1]);
+        assert!(many.contains("over the limit"), "{many}");
+    }
 
     #[test]
     fn versions_are_content_digests_and_roots_cover_every_file() {

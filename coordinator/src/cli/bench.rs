@@ -235,7 +235,7 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
             let t = Instant::now();
             let mut c = client.clone();
             let req = orchestrator_worker::auth::request(
-                pb::UpdateRequest { checkpoint_dir: ck_b.display().to_string(), max_unavailable: 1 },
+                pb::UpdateRequest { checkpoint_dir: ck_b.display().to_string(), max_unavailable: 1, max_staging: 0 },
                 Duration::from_secs(3600),
                 Some(&token),
             );

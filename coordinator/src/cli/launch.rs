@@ -188,6 +188,7 @@ fn resolve(
                 seed: d.seed,
                 bf16,
             })),
+            content: None,
         };
         (src, local, format!("dummy {} x {layers} layers, seed {}", preset.name(), d.seed))
     } else {
@@ -201,7 +202,9 @@ fn resolve(
         let own = orchestrator_worker::auth::AllowedRoots::for_checkpoint(&dir)?;
         let local = orchestrator_worker::LoadSource::open_checkpoint_within(&dir, &own)
             .with_context(|| format!("opening checkpoint {}", dir.display()))?;
-        let src = pb::LoadSource { kind: Some(pb::load_source::Kind::CheckpointDir(dir.display().to_string())) };
+        // Hashed once here: a worker that opens the same files adopts the version.
+        let content = local.content_claim().map(|c| orchestrator_worker::source::claim_to_pb(&c));
+        let src = pb::LoadSource { kind: Some(pb::load_source::Kind::CheckpointDir(dir.display().to_string())), content };
         (src, local, format!("checkpoint {}", dir.display()))
     };
     orchestrator_model::plan::validate_tp(&local.config().geometry, a.tp as usize)?;
