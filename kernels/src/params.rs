@@ -187,6 +187,11 @@ impl<B: Backend, P, S> Mx<B, P, S> {
         backend.download(&self.scale, &mut s)?;
         Ok((w, s))
     }
+    /// [`Mx::to_host`] into vectors that keep their capacity from a previous call.
+    pub fn to_host_into(&self, backend: &B, weight: &mut Vec<u8>, scale: &mut Vec<u8>) -> Result<(), KernelError> {
+        backend.download(&self.weight, weight)?;
+        backend.download(&self.scale, scale)
+    }
     /// Returns the buffers to a pool.
     pub fn recycle(self, pool: &mut BufferPool<B>) {
         pool.give(self.weight);

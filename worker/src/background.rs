@@ -23,7 +23,9 @@ fn pool() -> &'static rayon::ThreadPool {
             .thread_name(|i| format!("background-{i}"))
             .start_handler(|_| {
                 lower_this_thread();
-                crate::alloc::small_pages_on_this_thread();
+                if std::env::var_os("ORCH_STAGE_HUGE").is_none() {
+                    crate::alloc::small_pages_on_this_thread();
+                }
             })
             .build()
             .unwrap_or_else(|_| rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a one-thread pool"))

@@ -210,6 +210,7 @@ impl<B: Backend> RankWeights<B> {
 }
 
 /// One layer of a rank in checkpoint order, on the host: what the probe's reference reads.
+#[derive(Default)]
 pub struct ReferenceLayer {
     /// `(E4M3 elements, per-row scales)` of `wq_b [heads*512, q_lora]`.
     pub wq_b: (Vec<u8>, Vec<u8>),
@@ -218,6 +219,18 @@ pub struct ReferenceLayer {
     /// `wo_b [hidden, groups*o_lora]`.
     pub wo_b: (Vec<u8>, Vec<u8>),
     pub attn_sink: Vec<f32>,
+}
+
+/// What a reference reuses from one layer to the next ([`RankLoader::reference_layer_into`]).
+pub struct ReferenceScratch<B: Backend> {
+    scratch: LayerScratch<B>,
+    layer: ReferenceLayer,
+}
+
+impl<B: Backend> Default for ReferenceScratch<B> {
+    fn default() -> Self {
+        Self { scratch: LayerScratch::default(), layer: ReferenceLayer::default() }
+    }
 }
 
 /// Loads one rank of one TP group with a backend.
@@ -460,31 +473,48 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
     /// this loader's rule), read through the same source stage as a load, but never permuted
     /// or hooked: the yardstick of the probe.
     pub fn reference_layer(&self, source: &LoadSource, layer: usize) -> Result<ReferenceLayer, LoadError> {
+        let mut scratch = ReferenceScratch::default();
+        self.reference_layer_into(source, layer, &mut scratch)?;
+        Ok(scratch.layer)
+    }
+
+    /// [`RankLoader::reference_layer`] into buffers kept from the previous layer: a reference
+    /// over every layer faults in one layer's memory instead of every layer's.
+    pub fn reference_layer_into<'s>(
+        &self,
+        source: &LoadSource,
+        layer: usize,
+        into: &'s mut ReferenceScratch<B>,
+    ) -> Result<&'s ReferenceLayer, LoadError> {
         self.check_source(source)?;
         let specs = layer_tensors(&self.geometry, self.format, layer);
         let find = |param, part| specs.iter().find(|s| s.param == param && s.part == part);
-        let mut scratch = LayerScratch::<B>::default();
+        let ReferenceScratch { scratch, layer: out } = into;
         let (mut digests, mut times) = (Vec::new(), StageTimes::default());
         let backend = self.backend;
         let rule = self.rule;
-        let mut host = |param: Param, scratch: &mut LayerScratch<B>| -> Result<(Vec<u8>, Vec<u8>), LoadError> {
+        let mut host = |param: Param, scratch: &mut LayerScratch<B>, (w, s): &mut (Vec<u8>, Vec<u8>)| -> Result<(), LoadError> {
             // Checkpoint order is only downloaded here, never permuted or hooked, so the
             // parameter marker does not matter.
             let (mx, _): (Mx<B, WqB, CheckpointOrder>, _) =
                 self.read_matrix(source, param, &find, scratch, &mut digests, &mut Vec::new(), &mut times, |src, rows, k, pool| {
                     Mx::from_source(backend, src, rows, k, rule, pool)
                 })?;
-            mx.to_host(backend).map_err(|e| tensor_error(&checkpoint_name(layer, param, Part::Weight), None, e))
+            let name = checkpoint_name(layer, param, Part::Weight);
+            let copied = mx.to_host_into(backend, w, s);
+            mx.recycle(&mut scratch.pool);
+            copied.map_err(|e| tensor_error(&name, None, e))
         };
-        let wq_b = host(Param::WqB, &mut scratch)?;
-        let wo_a = host(Param::WoA, &mut scratch)?;
-        let wo_b = host(Param::WoB, &mut scratch)?;
+        host(Param::WqB, scratch, &mut out.wq_b)?;
+        host(Param::WoA, scratch, &mut out.wo_a)?;
+        host(Param::WoB, scratch, &mut out.wo_b)?;
         let spec = find(Param::AttnSink, Part::Weight).expect("every layer has attn_sink");
         let (rows, cols) = self.slice_of(spec);
-        let mut bytes = Vec::new();
-        source.read(spec, rows, cols, &mut bytes)?;
-        let attn_sink = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        Ok(ReferenceLayer { wq_b, wo_a, wo_b, attn_sink })
+        let bytes = &mut scratch.host_weight[param_slot(Param::AttnSink)];
+        source.read(spec, rows, cols, bytes)?;
+        out.attn_sink.clear();
+        out.attn_sink.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        Ok(out)
     }
 
     /// Fetches a matrix parameter's slice (weight and, for FP8, block scale), hands the bytes

@@ -12,7 +12,7 @@ use orchestrator_kernels::{Backend, BackendWeight, Digest, KernelError, ScaleKin
 use orchestrator_model::{Generator, Geometry};
 use serde::Serialize;
 
-use crate::loader::{LoadError, RankLoader, RankWeights, ReferenceLayer, serialize_hex};
+use crate::loader::{LoadError, RankLoader, RankWeights, ReferenceLayer, ReferenceScratch, serialize_hex};
 use crate::source::LoadSource;
 
 /// Tolerance of `z` against the reference (the PR's test: rtol = atol = 1e-3).
@@ -203,6 +203,7 @@ pub fn probe_rank_with<B: Backend + Sync>(
         _ => None,
     };
     let mut computed = Vec::new();
+    let mut scratch = ReferenceScratch::default();
     let mut layers = Vec::new();
     let mut y_partial = Vec::new();
     let (mut kernel_s, mut reference_s) = (0.0, 0.0);
@@ -219,7 +220,7 @@ pub fn probe_rank_with<B: Backend + Sync>(
             match kept.as_ref().and_then(|k| k.get(i)) {
                 Some(want) => layers.push(check_layer(layer.layer, &shape, &kernel, want)),
                 None => {
-                    let want = reference_output(loader, source, &shape, &inputs, layer.layer, rule)?;
+                    let want = reference_output(loader, source, &shape, &inputs, layer.layer, rule, &mut scratch)?;
                     layers.push(check_layer(layer.layer, &shape, &kernel, &want));
                     computed.push(want);
                 }
@@ -263,6 +264,7 @@ pub fn probe_rank_with<B: Backend + Sync>(
 
 /// The plain path's output of one layer: its checkpoint-order weights re-read and dequantized,
 /// then the reference GEMMs (independent of every kernel layout).
+#[allow(clippy::too_many_arguments)]
 fn reference_output<B: Backend + Sync>(
     loader: &RankLoader<'_, B>,
     source: &LoadSource,
@@ -270,9 +272,10 @@ fn reference_output<B: Backend + Sync>(
     inputs: &ProbeInputs,
     layer: usize,
     rule: ScaleRule,
+    scratch: &mut ReferenceScratch<B>,
 ) -> Result<ProbeOutput, LoadError> {
-    let reference = loader.reference_layer(source, layer)?;
-    run_reference(shape, inputs, &reference, rule).map_err(|e| LoadError::Config(format!("probe of layer {layer}: {e}")))
+    let reference = loader.reference_layer_into(source, layer, scratch)?;
+    run_reference(shape, inputs, reference, rule).map_err(|e| LoadError::Config(format!("probe of layer {layer}: {e}")))
 }
 
 /// Computes the reference of `spec` for every layer of `source` on this rank and keeps it in
@@ -297,8 +300,10 @@ pub fn prepare_reference<B: Backend + Sync>(
     let g = &source.config().geometry;
     let shape = shape_of(g, shard);
     let inputs = spec.inputs(g).map_err(|e| LoadError::Config(format!("probe inputs: {e}")))?;
-    let outputs =
-        (0..g.layers).map(|layer| reference_output(loader, source, &shape, &inputs, layer, rule)).collect::<Result<Vec<_>, _>>()?;
+    let mut scratch = ReferenceScratch::default();
+    let outputs = (0..g.layers)
+        .map(|layer| reference_output(loader, source, &shape, &inputs, layer, rule, &mut scratch))
+        .collect::<Result<Vec<_>, _>>()?;
     cache.lock().unwrap_or_else(|p| p.into_inner()).put(key, outputs);
     Ok(t.elapsed().as_secs_f64())
 }

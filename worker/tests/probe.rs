@@ -192,3 +192,25 @@ fn a_prepared_reference_is_what_the_probe_checks_against() {
     let caught = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
     assert!(!caught.ok && caught.layers.iter().all(|l| l.q_mismatches > 0), "{caught:?}");
 }
+
+/// A reference read layer after layer into the same buffers gives each layer exactly what a
+/// fresh read of that layer gives (nothing of the previous layer stays behind), FP8 and BF16.
+#[test]
+fn reference_layers_read_into_kept_buffers_equal_fresh_reads() {
+    for bf16 in [false, true] {
+        let source = dummy(Preset::Tiny, 3, bf16, 21);
+        let loader = RankLoader::new(&CpuBackend, source.config(), 2, 1, ScaleRule::Rceil).unwrap();
+        let mut kept = orchestrator_worker::loader::ReferenceScratch::default();
+        for layer in [2, 0, 1] {
+            let fresh = loader.reference_layer(&source, layer).unwrap();
+            let into = loader.reference_layer_into(&source, layer, &mut kept).unwrap();
+            for (a, b) in [(&fresh.wq_b, &into.wq_b), (&fresh.wo_a, &into.wo_a), (&fresh.wo_b, &into.wo_b)] {
+                assert!(a == b, "bf16 {bf16} layer {layer}");
+            }
+            assert_eq!(fresh.attn_sink, into.attn_sink, "bf16 {bf16} layer {layer}");
+        }
+        // Layers differ, so the comparison above could fail.
+        let (l0, l1) = (loader.reference_layer(&source, 0).unwrap(), loader.reference_layer(&source, 1).unwrap());
+        assert!(l0.wq_b != l1.wq_b);
+    }
+}
