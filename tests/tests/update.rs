@@ -221,3 +221,23 @@ fn a_version_is_verified_against_the_reference_once_and_later_replicas_by_identi
     assert!(load.iter().all(|s| *s > 0.0), "{load:?}");
     assert!(load.iter().zip(&launched).all(|(after, before)| after != before), "staging times {load:?}, launch {launched:?}");
 }
+
+/// The first replica's round trip runs while it stages (it is what verification reads): a rank
+/// that staged wrong layouts fails it, and every rank keeps the old version.
+#[test]
+fn a_first_replica_that_staged_wrong_layouts_fails_its_staged_round_trip() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let (a, b) = (root.join("A"), root.join("B"));
+    synth(&a, "1");
+    synth(&b, "2");
+    let cluster = Served::on_checkpoint("2", "2", &a, &root, &["--inject-fault", "0:stage-skip-permute"]);
+    let before = versions(&cluster.report());
+    let o = cluster.cmd("update", &["--checkpoint", b.to_str().unwrap(), "--json"]);
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)));
+    assert_eq!(doc["ok"], false, "{doc:#}");
+    let steps: Vec<&str> = doc["update"]["steps"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
+    let dp0 = steps.iter().find(|s| s.starts_with("replica dp0: FAILED")).unwrap_or_else(|| panic!("{steps:#?}"));
+    assert!(dp0.contains("rank dp0/tp0: staged round trip failed"), "{dp0}");
+    assert_eq!(versions(&cluster.report()), before, "every rank keeps A");
+}

@@ -46,8 +46,11 @@ struct Plan {
 struct State {
     plan: Option<Plan>,
     weights: Option<RankWeights<AnyBackend>>,
-    /// A staged version (rolling update): loaded beside the active weights, swapped in by Commit.
-    shadow: Option<(RankWeights<AnyBackend>, Arc<LoadSource>)>,
+    /// A staged version (rolling update): loaded beside the active weights, swapped in by Commit,
+    /// with its round trip, run by the stage on the background pool once the weights were in
+    /// place (nothing writes them between the stage and the commit, so the verdict of a report
+    /// on them is that one).
+    shadow: Option<(RankWeights<AnyBackend>, Arc<LoadSource>, crate::roundtrip::RoundTrip)>,
     /// The version the last Commit replaced, kept so that an explicit, journaled abort of the
     /// update can swap it back; dropped by Release (the update ended) or the next Stage (so the
     /// rank never holds more than two versions).
@@ -131,7 +134,7 @@ pub fn source_from(pb_source: Option<&pb::LoadSource>, roots: &AllowedRoots) -> 
 /// The active weights and their source, or the staged ones.
 fn weights_of(st: &State, shadow: bool) -> Result<(&RankWeights<AnyBackend>, &LoadSource), Status> {
     if shadow {
-        let (w, s) = st.shadow.as_ref().ok_or_else(|| Status::failed_precondition("nothing staged"))?;
+        let (w, s, _) = st.shadow.as_ref().ok_or_else(|| Status::failed_precondition("nothing staged"))?;
         Ok((w, s))
     } else {
         let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
@@ -146,7 +149,7 @@ fn versions_of(st: &State) -> (String, String) {
         (Some(p), Some(_)) => p.source.version(),
         _ => String::new(),
     };
-    (active, st.shadow.as_ref().map(|(_, s)| s.version()).unwrap_or_default())
+    (active, st.shadow.as_ref().map(|(_, s, _)| s.version()).unwrap_or_default())
 }
 
 /// A peer's advertised `host:port` (an IP, or a name such as a pod's DNS name).
@@ -273,7 +276,7 @@ impl WorkerService {
         let reference_cache = self.reference_cache.clone();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
-            let mut reference_s = 0.0;
+            let (mut reference_s, mut round_trip_s) = (0.0, 0.0);
             let done = std::sync::atomic::AtomicUsize::new(0);
             let progress = |_layer: usize| {
                 let n = done.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
@@ -293,7 +296,7 @@ impl WorkerService {
                 }));
             };
             let backend = &*backend;
-            let result = (|| -> Result<RankWeights<AnyBackend>, Status> {
+            let result = (|| -> Result<(RankWeights<AnyBackend>, Option<crate::roundtrip::RoundTrip>), Status> {
                 let loader =
                     RankLoader::new(backend, source.config(), tp, rank, rule).map_err(|e| Status::invalid_argument(e.to_string()))?;
                 if shadow {
@@ -309,7 +312,12 @@ impl WorkerService {
                             .map_err(|e| Status::internal(format!("fault injection: {e}")))?;
                         w.refresh_kernel_digests(backend).map_err(|e| Status::internal(e.to_string()))?;
                     }
-                    return Ok(w);
+                    // The round trip of the weights as they will serve, while the replica still
+                    // serves the active ones (verification out of rotation only reads it).
+                    let t = Instant::now();
+                    let rt = crate::background::run(|| check_rank(backend, &w, &source));
+                    round_trip_s = t.elapsed().as_secs_f64();
+                    return Ok((w, Some(rt)));
                 }
                 let previous = lock(&state).weights.take();
                 let mut w = match previous {
@@ -330,15 +338,15 @@ impl WorkerService {
                 if let Some(dir) = &dump_dir {
                     crate::dump::dump_rank(backend, &w, dir).map_err(|e| Status::internal(format!("dump: {e}")))?;
                 }
-                Ok(w)
+                Ok((w, None))
             })();
-            // The load alone (a prepared reference is not part of it).
-            let seconds = started.elapsed().as_secs_f64() - reference_s;
+            // The load alone (a prepared reference and the round trip are not part of it).
+            let seconds = started.elapsed().as_secs_f64() - reference_s - round_trip_s;
             if reference_s > 0.0 {
                 tracing::info!(tp_rank = rank, replica = dp_rank, seconds = reference_s, "prepared the staged version's reference");
             }
             match result {
-                Ok(w) => {
+                Ok((w, round_trip)) => {
                     let version = source.version();
                     let path = match (shadow, &*source) {
                         (true, _) => "stage",
@@ -357,7 +365,7 @@ impl WorkerService {
                             let _ = tx.blocking_send(Err(Status::aborted("stage: superseded by a later stage or abort")));
                             return;
                         }
-                        st.shadow = Some((w, source));
+                        st.shadow = Some((w, source, round_trip.unwrap_or_default()));
                         st.shadow_seconds = seconds;
                     } else {
                         st.weights = Some(w);
@@ -513,7 +521,7 @@ impl Worker for WorkerService {
             if !expected.is_empty() && staged != expected {
                 return Err(Status::failed_precondition(format!("commit: staged version {staged}, expected {expected}")));
             }
-            let (mut w, source) = st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
+            let (mut w, source, _) = st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
             w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
             let replaced = st.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
             st.previous = st.weights.take().zip(replaced);
@@ -606,7 +614,10 @@ impl Worker for WorkerService {
                     }));
                 }
                 let (w, source) = weights_of(&st, shadow)?;
-                let rt = check_rank(&*backend, w, source);
+                let rt = match (&st.shadow, shadow) {
+                    (Some((_, _, staged)), true) => staged.clone(),
+                    _ => check_rank(&*backend, w, source),
+                };
                 let id = &w.identity;
                 let canonical = id.canonical_text();
                 let geometry_text: String = canonical.lines().filter(|l| !l.starts_with("rank=")).map(|l| format!("{l}\n")).collect();
