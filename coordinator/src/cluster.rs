@@ -470,6 +470,7 @@ impl Cluster {
         scale_rule: &str,
         fault: Option<(u32, pb::Fault)>,
         dump_dir: Option<&std::path::Path>,
+        keep_staging_buffers: bool,
     ) -> Result<(), Failures> {
         let dump_dir = dump_dir.map(|d| d.display().to_string()).unwrap_or_default();
         let (tp, dp) = (self.tp, self.dp);
@@ -485,6 +486,7 @@ impl Cluster {
                         scale_rule: scale_rule.to_string(),
                         fault: fault.filter(|(rank, _)| *rank == w.id).map(|(_, f)| f as i32).unwrap_or(0),
                         dump_dir: dump_dir.clone(),
+                        keep_staging_buffers,
                     },
                     ASSIGN_DEADLINE,
                     Some(&self.token),

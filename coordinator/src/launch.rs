@@ -46,6 +46,8 @@ pub struct LaunchPlan {
     pub listen: SocketAddr,
     /// Workers dump their kernel tensors under DIR/dp{D}/rank{R}.safetensors.
     pub dump_dir: Option<PathBuf>,
+    /// Ranks keep the buffers an update leaves for the next stage (see the worker's `spare`).
+    pub keep_staging_buffers: bool,
     /// The cluster's shared token, the file workers read it from, and whether this launch
     /// generated that file (then it is removed when the cluster stops).
     pub token: Token,
@@ -201,7 +203,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
                 cluster.registry.by_host(plan.tp * plan.dp).into_iter().map(|(h, r)| format!("{h} (ranks {r:?})")).collect();
             orchestrator_worker::status!(; "every rank registered: {}", hosts.join(", "));
         }
-        cluster.assign(&plan.source, plan.scale_rule.name(), plan.fault, plan.dump_dir.as_deref()).await
+        cluster.assign(&plan.source, plan.scale_rule.name(), plan.fault, plan.dump_dir.as_deref(), plan.keep_staging_buffers).await
     };
     if let Err(f) = up.await {
         timings.insert("startup".into(), start.elapsed().as_secs_f64());

@@ -1,13 +1,15 @@
 //! Rolling weight updates (`orchestrator update`), routed probes, and bringing replicas back
 //! into rotation: the I/O around the commit protocol of [`crate::rollout`].
 //!
-//! One batch of replicas (TP groups) at a time: each is taken out of probe rotation (when
-//! another replica can serve), stages the new version on every rank into shadow buffers through
-//! the same loader pipeline, and is verified (round trips, probes against the reference, the
-//! group agreeing on `y`, and the same `y` as replicas already updated). Then the decision is
+//! Every replica (TP group) of the update stages the new version at once, on every rank into
+//! shadow buffers through the same loader pipeline, while it keeps serving in rotation. Then
+//! one batch at a time, in order: each replica of the batch is taken out of probe rotation
+//! (when another replica can serve) and verified (round trips, probes against the reference,
+//! the group agreeing on `y`, and the same `y` as replicas already updated), and the decision is
 //! journaled: abort (any failure: every rank drops what it staged) or commit (every rank is
 //! driven to the new version, and an abort is never reported after it). A replica returns to
-//! rotation only once every rank confirmed one version and a probe passed.
+//! rotation only once every rank confirmed one version and a probe passed. An update that ends
+//! early aborts what the replicas it did not reach staged.
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -241,3 +241,40 @@ fn a_first_replica_that_staged_wrong_layouts_fails_its_staged_round_trip() {
     assert!(dp0.contains("rank dp0/tp0: staged round trip failed"), "{dp0}");
     assert_eq!(versions(&cluster.report()), before, "every rank keeps A");
 }
+
+/// `--keep-staging-buffers`: each rank keeps the buffers an update leaves, and the next update
+/// stages into them (`restage`), byte for byte what a fresh stage gives; without the flag every
+/// stage gets fresh buffers.
+#[test]
+fn kept_staging_buffers_are_restaged_into_with_the_same_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let (a, b) = (root.join("A"), root.join("B"));
+    synth(&a, "1");
+    synth(&b, "2");
+    let paths = |r: &Value| -> Vec<String> {
+        r["ranks"].as_array().unwrap().iter().map(|r| r["load_path"].as_str().unwrap().to_string()).collect()
+    };
+    let update = |cluster: &Served, to: &Path| {
+        let o = cluster.cmd("update", &["--checkpoint", to.to_str().unwrap(), "--json"]);
+        let doc: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)));
+        assert_eq!(doc["ok"], true, "{doc:#}");
+        cluster.report()
+    };
+    let kept = Served::on_checkpoint("2", "2", &a, &root, &["--keep-staging-buffers"]);
+    let launched = kept.report();
+    let on_b = update(&kept, &b);
+    assert!(paths(&on_b).iter().all(|p| p == "stage"), "nothing kept yet: {:?}", paths(&on_b));
+    let back = update(&kept, &a);
+    assert!(paths(&back).iter().all(|p| p == "restage"), "{:?}", paths(&back));
+    assert_eq!(rank_digests(&back), rank_digests(&launched), "restaged A is the launched A");
+    let again = update(&kept, &b);
+    assert_eq!(rank_digests(&again), rank_digests(&on_b), "restaged B is the freshly staged B");
+    assert_eq!(again["ok"], true, "{again:#}");
+    drop(kept);
+
+    let fresh = Served::on_checkpoint("2", "2", &a, &root, &[]);
+    update(&fresh, &b);
+    let back = update(&fresh, &a);
+    assert!(paths(&back).iter().all(|p| p == "stage"), "{:?}", paths(&back));
+}

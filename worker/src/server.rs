@@ -40,6 +40,9 @@ struct Plan {
     rule: ScaleRule,
     fault: pb::Fault,
     dump_dir: Option<std::path::PathBuf>,
+    /// Keep the buffers an update leaves (the version it replaced, or a staged one it dropped)
+    /// for the next stage to reload into, instead of freeing them (`--keep-staging-buffers`).
+    keep_staging_buffers: bool,
 }
 
 #[derive(Default)]
@@ -51,6 +54,11 @@ struct State {
     /// place (nothing writes them between the stage and the commit, so the verdict of a report
     /// on them is that one).
     shadow: Option<(RankWeights<AnyBackend>, Arc<LoadSource>, crate::roundtrip::RoundTrip)>,
+    /// Buffers kept for the next stage (with `keep_staging_buffers`): the weights of a version
+    /// an update replaced or dropped, which the next stage reloads into (a reload reuses every
+    /// buffer) instead of faulting in fresh memory. The rank then holds two sets of weights
+    /// between updates, never more than two.
+    spare: Option<RankWeights<AnyBackend>>,
     /// The version the last Commit replaced, kept so that an explicit, journaled abort of the
     /// update can swap it back; dropped by Release (the update ended) or the next Stage (so the
     /// rank never holds more than two versions).
@@ -74,6 +82,8 @@ struct State {
     /// How the active weights were loaded (`real`, `dummy`, `stage`), and the kept version's.
     load_path: &'static str,
     previous_path: &'static str,
+    /// How the staged version was loaded: `stage` (fresh buffers) or `restage` (kept ones).
+    shadow_path: &'static str,
 }
 
 /// The worker service.
@@ -128,6 +138,15 @@ pub fn source_from(pb_source: Option<&pb::LoadSource>, roots: &AllowedRoots) -> 
             Ok(LoadSource::Dummy { config, generator: Generator::new(d.seed) })
         }
         None => Err(Status::invalid_argument("source: missing (checkpoint_dir or dummy)")),
+    }
+}
+
+/// Takes a set of weights out of the state (`take`) and keeps it as the next stage's buffers when
+/// the plan says so and none are kept yet; otherwise it is freed.
+fn keep_or_drop(st: &mut State, take: impl FnOnce(&mut State) -> Option<RankWeights<AnyBackend>>) {
+    let weights = take(st);
+    if st.spare.is_none() && st.plan.as_ref().is_some_and(|p| p.keep_staging_buffers) {
+        st.spare = weights;
     }
 }
 
@@ -234,11 +253,11 @@ impl WorkerService {
     /// (a staged update) instead of into the active ones; with `reference`, the stage then also
     /// prepares that probe's reference for the staged version (beside serving, like the load).
     fn load_stream(&self, reload_from: Option<LoadSource>, shadow: bool, reference: Option<ProbeSpec>) -> Result<ProgressStream, Status> {
-        let (source, tp, rank, dp_rank, rule, fault, total, dump_dir, epoch) = {
+        let ((source, tp, rank, dp_rank, rule, fault, total, dump_dir, epoch), spare) = {
             let mut st = lock(&self.state);
             if shadow {
                 st.stage_epoch += 1;
-                st.previous = None;
+                keep_or_drop(&mut st, |st| st.previous.take().map(|(w, _)| w));
             }
             let epoch = st.stage_epoch;
             let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned yet (call Assign first)"))?;
@@ -254,7 +273,7 @@ impl WorkerService {
                     )));
                 }
             }
-            (
+            let values = (
                 plan.source.clone(),
                 plan.tp_size,
                 plan.tp_rank,
@@ -264,8 +283,12 @@ impl WorkerService {
                 plan.source.config().geometry.layers,
                 plan.dump_dir.clone(),
                 epoch,
-            )
+            );
+            // A stage reloads into the kept buffers, if any.
+            let spare = if shadow { st.spare.take() } else { None };
+            (values, spare)
         };
+        let reused = spare.is_some();
         let source = match reload_from {
             Some(s) => Arc::new(s),
             None => source,
@@ -301,8 +324,11 @@ impl WorkerService {
                     RankLoader::new(backend, source.config(), tp, rank, rule).map_err(|e| Status::invalid_argument(e.to_string()))?;
                 if shadow {
                     // Beside serving: on the background pool, below the probes' priority.
-                    let mut w = crate::background::run(|| loader.load_with_progress(&source, &progress))
-                        .map_err(|e| Status::internal(format!("stage: {e:#}")))?;
+                    let mut w = crate::background::run(|| match spare {
+                        Some(kept) => loader.reload_with_progress(kept, &source, &progress),
+                        None => loader.load_with_progress(&source, &progress),
+                    })
+                    .map_err(|e| Status::internal(format!("stage: {e:#}")))?;
                     if let Some(spec) = reference {
                         reference_s = crate::background::run(|| crate::probe::prepare_reference(&loader, &source, spec, &reference_cache))
                             .map_err(|e| Status::internal(format!("stage: the reference of probe {spec}: {e:#}")))?;
@@ -349,6 +375,7 @@ impl WorkerService {
                 Ok((w, round_trip)) => {
                     let version = source.version();
                     let path = match (shadow, &*source) {
+                        (true, _) if reused => "restage",
                         (true, _) => "stage",
                         (false, LoadSource::Dummy { .. }) => "dummy",
                         (false, _) => "real",
@@ -367,6 +394,7 @@ impl WorkerService {
                         }
                         st.shadow = Some((w, source, round_trip.unwrap_or_default()));
                         st.shadow_seconds = seconds;
+                        st.shadow_path = path;
                     } else {
                         st.weights = Some(w);
                         st.load_seconds = seconds;
@@ -429,6 +457,7 @@ impl Worker for WorkerService {
                 rule,
                 fault: r.fault(),
                 dump_dir: (!r.dump_dir.is_empty()).then(|| std::path::PathBuf::from(&r.dump_dir).join(format!("dp{}", r.dp_rank))),
+                keep_staging_buffers: r.keep_staging_buffers,
             }),
             listener: Some(listener),
             stage_epoch,
@@ -527,7 +556,7 @@ impl Worker for WorkerService {
             st.previous = st.weights.take().zip(replaced);
             st.weights = Some(w);
             st.previous_seconds = std::mem::replace(&mut st.load_seconds, st.shadow_seconds);
-            st.previous_path = std::mem::replace(&mut st.load_path, "stage");
+            st.previous_path = std::mem::replace(&mut st.load_path, st.shadow_path);
             if let Some(p) = &st.plan {
                 crate::metrics::worker().serving(p.dp_rank, p.tp_rank, &staged);
                 tracing::info!(tp_rank = p.tp_rank, replica = p.dp_rank, version = %staged, "committed the staged version");
@@ -548,7 +577,7 @@ impl Worker for WorkerService {
             self.not_ready().await;
         }
         self.with_state(move |st| {
-            st.shadow = None;
+            keep_or_drop(st, |st| st.shadow.take().map(|(w, _, _)| w));
             st.stage_epoch += 1;
             if rollback {
                 let kept = st.previous.as_ref().map(|(_, s)| s.version());
@@ -579,7 +608,7 @@ impl Worker for WorkerService {
 
     async fn release(&self, _request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
         self.with_state(|st| {
-            st.previous = None;
+            keep_or_drop(st, |st| st.previous.take().map(|(w, _)| w));
             Ok(pb::ReleaseResponse {})
         })
         .await
@@ -661,7 +690,7 @@ impl Worker for WorkerService {
                     generation: w.generation,
                     staged_version: versions_of(&st).1,
                     previous_version: st.previous.as_ref().map(|(_, s)| s.version()).unwrap_or_default(),
-                    load_path: if shadow { "stage".into() } else { st.load_path.into() },
+                    load_path: if shadow { st.shadow_path.into() } else { st.load_path.into() },
                 }))
             };
             // The round trip of a staged version is background work too.

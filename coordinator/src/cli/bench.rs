@@ -44,6 +44,9 @@ pub struct BenchUpdateArgs {
     /// first touched after a reclaim costs a host fault), so one is a noisy yardstick.
     #[arg(long, default_value_t = 3)]
     launches: usize,
+    /// Launch with `--keep-staging-buffers` (the second update stages into what the first left).
+    #[arg(long)]
+    keep_staging_buffers: bool,
     /// Where the two checkpoints are synthesized (kept for later runs).
     #[arg(long, default_value = "target/bench-update")]
     dir: PathBuf,
@@ -96,6 +99,60 @@ pub struct UpdateBench {
     pub slowest_during: Vec<SlowProbe>,
     pub steps: Vec<String>,
     pub errors: Vec<String>,
+    /// The update back to the first version right after, under the same load (with
+    /// `--keep-staging-buffers` it stages into the buffers the first update left).
+    pub back: Back,
+}
+
+/// The second update of the benchmark, back to the first version.
+#[derive(Debug, Serialize)]
+pub struct Back {
+    pub update_s: f64,
+    pub roll_s: f64,
+    pub roll_over_load: f64,
+    pub during: Latency,
+    pub p99_during_over_before: f64,
+    pub update_ok: bool,
+    pub steps: Vec<String>,
+}
+
+/// One update under a probe load at `rate` (the load stops when the update ends).
+struct Rolled {
+    update_s: f64,
+    roll_s: f64,
+    ok: bool,
+    during: Vec<Sample>,
+    steps: Vec<String>,
+}
+
+async fn roll_under_load(
+    client: &pb::coordinator_client::CoordinatorClient<tonic::transport::Channel>,
+    token: &orchestrator_worker::auth::Token,
+    probe: ProbeSpec,
+    rate: f64,
+    to: &Path,
+) -> anyhow::Result<Rolled> {
+    let stop = AtomicBool::new(false);
+    let update = async {
+        let t = Instant::now();
+        let mut c = client.clone();
+        let req = orchestrator_worker::auth::request(
+            pb::UpdateRequest { checkpoint_dir: to.display().to_string(), max_unavailable: 1, max_staging: 0 },
+            Duration::from_secs(3600),
+            Some(token),
+        );
+        let r = c.update(req).await;
+        stop.store(true, Ordering::SeqCst);
+        (t.elapsed().as_secs_f64(), r)
+    };
+    let load = at_rate_until(client, Some(token), probe, rate, Duration::from_secs(3600), Some(&stop));
+    let ((update_s, response), during) = tokio::join!(update, load);
+    let response = response.map_err(|s| anyhow::anyhow!("update: {}", s.message()))?.into_inner();
+    let doc: serde_json::Value = serde_json::from_str(&response.json)?;
+    let roll_s = doc["update"]["seconds"].as_f64().context("the update document has no seconds")?;
+    let steps =
+        doc["update"]["steps"].as_array().map(|v| v.iter().filter_map(|s| s.as_str().map(String::from)).collect()).unwrap_or_default();
+    Ok(Rolled { update_s, roll_s, ok: response.ok, during, steps })
 }
 
 #[derive(Debug, Serialize)]
@@ -206,7 +263,8 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
         .chain([ck_a.display().to_string(), "--allow-root".into(), root.display().to_string()])
         .collect();
     let mut loads = (1..a.launches).map(|_| launch_load(&launch_args)).collect::<anyhow::Result<Vec<f64>>>()?;
-    let served: Vec<String> = std::iter::once("--serve".to_string()).chain(launch_args.iter().cloned()).collect();
+    let kept = a.keep_staging_buffers.then(|| "--keep-staging-buffers".to_string());
+    let served: Vec<String> = std::iter::once("--serve".to_string()).chain(launch_args.iter().cloned()).chain(kept).collect();
     let started = Instant::now();
     let cluster = Cluster::launch(&served)?;
     let launch_s = started.elapsed().as_secs_f64();
@@ -229,30 +287,22 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
         anyhow::ensure!(cap > 0.0, "no routed probe was served while measuring capacity");
         let rate = cap / 2.0;
         let before = at_rate(&client, Some(&token), a.probe, rate, phase).await;
-        // The update under the same load; the load stops when the update ends.
-        let stop = AtomicBool::new(false);
-        let update = async {
-            let t = Instant::now();
-            let mut c = client.clone();
-            let req = orchestrator_worker::auth::request(
-                pb::UpdateRequest { checkpoint_dir: ck_b.display().to_string(), max_unavailable: 1, max_staging: 0 },
-                Duration::from_secs(3600),
-                Some(&token),
-            );
-            let r = c.update(req).await;
-            stop.store(true, Ordering::SeqCst);
-            (t.elapsed().as_secs_f64(), r)
-        };
-        let load = at_rate_until(&client, Some(&token), a.probe, rate, Duration::from_secs(3600), Some(&stop));
-        let ((update_s, response), during) = tokio::join!(update, load);
-        let response = response.map_err(|s| anyhow::anyhow!("update: {}", s.message()))?.into_inner();
-        let doc: serde_json::Value = serde_json::from_str(&response.json)?;
-        let roll_s = doc["update"]["seconds"].as_f64().context("the update document has no seconds")?;
-        let steps =
-            doc["update"]["steps"].as_array().map(|v| v.iter().filter_map(|s| s.as_str().map(String::from)).collect()).unwrap_or_default();
-        let errors = during.iter().chain(&before).filter(|s| !s.ok).take(5).map(|s| s.error.clone()).collect();
+        // The update under the same load; then back to the first version.
+        let Rolled { update_s, roll_s, ok, during, steps } = roll_under_load(&client, &token, a.probe, rate, &ck_b).await?;
+        let second = roll_under_load(&client, &token, a.probe, rate, &ck_a).await?;
+        let errors = during.iter().chain(&before).chain(&second.during).filter(|s| !s.ok).take(5).map(|s| s.error.clone()).collect();
         let slowest_during = slowest(&during, 3);
         let (before, during_l) = (Latency::of(&before), Latency::of(&during));
+        let second_during = Latency::of(&second.during);
+        let back = Back {
+            update_s: second.update_s,
+            roll_s: second.roll_s,
+            roll_over_load: second.roll_s / load_s,
+            during: second_during,
+            p99_during_over_before: second_during.p99_s / before.p99_s.max(1e-9),
+            update_ok: second.ok,
+            steps: second.steps,
+        };
         anyhow::Ok(UpdateBench {
             cluster: format!(
                 "{} x {} layers, TP {} x DP {}, probe T={} S={}",
@@ -274,10 +324,11 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
             before,
             during: during_l,
             p99_during_over_before: during_l.p99_s / before.p99_s.max(1e-9),
-            update_ok: response.ok,
+            update_ok: ok,
             slowest_during,
             steps,
             errors,
+            back,
         })
     });
     drop(cluster);
@@ -287,7 +338,7 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
     } else {
         emit(&render(&b, launch_s));
     }
-    Ok(b.update_ok && b.during.failed == 0 && b.before.failed == 0)
+    Ok(b.update_ok && b.back.update_ok && b.during.failed == 0 && b.before.failed == 0 && b.back.during.failed == 0)
 }
 
 fn render(b: &UpdateBench, launch_s: f64) -> String {
@@ -326,6 +377,22 @@ fn render(b: &UpdateBench, launch_s: f64) -> String {
     }
     for step in &b.steps {
         s.push_str(&format!("  step: {step}\n"));
+    }
+    let k = &b.back;
+    s.push_str(&format!(
+        "  then back to A    {:>7.2} s   the roll {:.2} s, {:.2}x the load{}; during p50 {:.3} s p99 {:.3} s ({} probes, {} failed), p99 / before {:.2}x\n",
+        k.update_s,
+        k.roll_s,
+        k.roll_over_load,
+        if k.update_ok { "" } else { ", FAILED" },
+        k.during.p50_s,
+        k.during.p99_s,
+        k.during.probes,
+        k.during.failed,
+        k.p99_during_over_before
+    ));
+    for step in &k.steps {
+        s.push_str(&format!("    step: {step}\n"));
     }
     for e in &b.errors {
         s.push_str(&format!("  error: {e}\n"));

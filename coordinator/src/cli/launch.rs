@@ -59,6 +59,11 @@ pub struct PlanArgs {
     /// Every worker writes its kernel-visible tensors to DIR/dp{D}/rank{R}.safetensors.
     #[arg(long, value_name = "DIR")]
     dump: Option<PathBuf>,
+    /// Every rank keeps the buffers an update leaves (the version it replaced) for the next
+    /// update to stage into, instead of freeing them: each rank then holds a second set of
+    /// weights between updates, and the next stage reloads into memory already in place.
+    #[arg(long)]
+    keep_staging_buffers: bool,
     /// Print the report as one JSON document.
     #[arg(long)]
     json: bool,
@@ -267,6 +272,7 @@ fn resolve(
         journal,
         tls,
         dump_dir,
+        keep_staging_buffers: a.keep_staging_buffers,
         health_listen: a.health_listen,
         metrics_listen: a.metrics_listen,
     })
