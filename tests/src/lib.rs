@@ -197,8 +197,16 @@ pub fn has_step(events: &[serde_json::Value], dp: u64, step: &str) -> bool {
 
 /// `orchestrator checkpoint synth`: a 2-layer `tiny` checkpoint with `seed`.
 pub fn synth_tiny(dir: &std::path::Path, seed: &str) {
-    let o =
-        run("orchestrator", &["checkpoint", "synth", "--out", dir.to_str().unwrap(), "--preset", "tiny", "--layers", "2", "--seed", seed]);
+    synth_tiny_layers(dir, seed, 2);
+}
+
+/// [`synth_tiny`] with `layers` layers (a `slow-stage` rank stages for a second per layer).
+pub fn synth_tiny_layers(dir: &std::path::Path, seed: &str, layers: u32) {
+    let layers = layers.to_string();
+    let o = run(
+        "orchestrator",
+        &["checkpoint", "synth", "--out", dir.to_str().unwrap(), "--preset", "tiny", "--layers", &layers, "--seed", seed],
+    );
     assert!(o.status.success(), "{}", stderr(&o));
 }
 

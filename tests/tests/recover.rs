@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use orchestrator_e2e::{Served, has_step, journal, rank_digests, run, stderr, stdout, synth_tiny, versions, wait_for_journal};
+use orchestrator_e2e::{Served, has_step, journal, rank_digests, run, stderr, stdout, synth_tiny_layers, versions, wait_for_journal};
 use serde_json::Value;
 
 /// Launches TP 2 x DP 2 on A with a state directory, starts an update to B, and kills the
@@ -13,9 +13,10 @@ use serde_json::Value;
 /// versions of A and B.
 fn kill_coordinator_mid_update(tmp: &Path) -> (Served, String, Value, Vec<Value>) {
     let (a, b, state) = (tmp.join("A"), tmp.join("B"), tmp.join("state"));
-    synth_tiny(&a, "1");
-    synth_tiny(&b, "2");
-    // dp1/tp1 stages slowly: the kill lands while dp1 is staging.
+    // dp1/tp1 stages slowly (a second per layer: 5 s): the kill lands while dp1 is staging,
+    // after dp0 (staging beside it) was verified and swapped.
+    synth_tiny_layers(&a, "1", 5);
+    synth_tiny_layers(&b, "2", 5);
     let mut cluster = Served::on_checkpoint("2", "2", &a, tmp, &["--state-dir", state.to_str().unwrap(), "--inject-fault", "3:slow-stage"]);
     let before = cluster.report();
     let update = cluster.update_in_background(&["--checkpoint", b.to_str().unwrap()]);

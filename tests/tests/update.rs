@@ -119,9 +119,10 @@ fn bad_updates_are_refused_and_change_nothing() {
 fn a_worker_killed_mid_stage_leaves_its_group_on_the_old_version() {
     let tmp = tempfile::tempdir().unwrap();
     let (a, b, state) = (tmp.path().join("A"), tmp.path().join("B"), tmp.path().join("state"));
-    synth(&a, "1");
-    synth(&b, "2");
-    // Worker 3 (dp1/tp1) stages slowly (a second per layer), so the kill lands mid-stage.
+    // Worker 3 (dp1/tp1) stages slowly (a second per layer: 5 s), so the kill lands mid-stage,
+    // after dp0 (staging beside it) was verified and swapped.
+    orchestrator_e2e::synth_tiny_layers(&a, "1", 5);
+    orchestrator_e2e::synth_tiny_layers(&b, "2", 5);
     let cluster =
         Served::on_checkpoint("2", "2", &a, tmp.path(), &["--state-dir", state.to_str().unwrap(), "--inject-fault", "3:slow-stage"]);
     let before = cluster.report();
