@@ -49,19 +49,16 @@ struct Plan {
 struct State {
     plan: Option<Plan>,
     weights: Option<RankWeights<AnyBackend>>,
-    /// A staged version (rolling update): loaded beside the active weights, swapped in by Commit,
-    /// with its round trip, run by the stage on the background pool once the weights were in
-    /// place (nothing writes them between the stage and the commit, so the verdict of a report
-    /// on them is that one).
-    shadow: Option<(RankWeights<AnyBackend>, Arc<LoadSource>, crate::roundtrip::RoundTrip)>,
+    /// A staged version (rolling update): loaded beside the active weights, swapped in by Commit.
+    shadow: Option<Staged>,
     /// Buffers kept for the next stage (with `keep_staging_buffers`): the weights of a version
     /// an update replaced or dropped, which the next stage reloads into (a reload reuses every
     /// buffer) instead of faulting in fresh memory. The rank then holds two sets of weights
     /// between updates, never more than two.
     spare: Option<RankWeights<AnyBackend>>,
     /// The version the last Commit replaced, kept so that an explicit, journaled abort of the
-    /// update can swap it back; dropped by Release (the update ended) or the next Stage (so the
-    /// rank never holds more than two versions).
+    /// update can swap it back; dropped (or kept as `spare`) by Release (the update ended) or the
+    /// next Stage (so the rank never holds more than two versions).
     previous: Option<(RankWeights<AnyBackend>, Arc<LoadSource>)>,
     /// Bumped by every Stage and Abort: a stage stores its result only if no later Stage or
     /// Abort came meanwhile (a stage abandoned by a coordinator that died can never land after
@@ -75,15 +72,26 @@ struct State {
     /// The NCCL communicator of a GPU worker's TP group.
     device_collectives: DeviceCollectives,
     /// How long the active weights took to load (or, after a commit, to stage), and the same
-    /// for the staged and the kept versions.
+    /// for the kept version.
     load_seconds: f64,
-    shadow_seconds: f64,
     previous_seconds: f64,
-    /// How the active weights were loaded (`real`, `dummy`, `stage`), and the kept version's.
+    /// How the active weights were loaded (`real`, `dummy`, `stage`, `restage`), and the kept
+    /// version's.
     load_path: &'static str,
     previous_path: &'static str,
-    /// How the staged version was loaded: `stage` (fresh buffers) or `restage` (kept ones).
-    shadow_path: &'static str,
+}
+
+/// A version staged beside the active weights.
+struct Staged {
+    weights: RankWeights<AnyBackend>,
+    source: Arc<LoadSource>,
+    /// Its round trip, run by the stage on the background pool once the weights were in place
+    /// (nothing writes them between the stage and the commit, so the verdict of a report on
+    /// them is that one).
+    round_trip: crate::roundtrip::RoundTrip,
+    /// `stage` (fresh buffers) or `restage` (kept ones), and how long it took.
+    path: &'static str,
+    seconds: f64,
 }
 
 /// The worker service.
@@ -153,8 +161,8 @@ fn keep_or_drop(st: &mut State, take: impl FnOnce(&mut State) -> Option<RankWeig
 /// The active weights and their source, or the staged ones.
 fn weights_of(st: &State, shadow: bool) -> Result<(&RankWeights<AnyBackend>, &LoadSource), Status> {
     if shadow {
-        let (w, s, _) = st.shadow.as_ref().ok_or_else(|| Status::failed_precondition("nothing staged"))?;
-        Ok((w, s))
+        let staged = st.shadow.as_ref().ok_or_else(|| Status::failed_precondition("nothing staged"))?;
+        Ok((&staged.weights, &staged.source))
     } else {
         let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
         Ok((st.weights.as_ref().ok_or_else(|| Status::failed_precondition("not loaded"))?, &plan.source))
@@ -168,7 +176,7 @@ fn versions_of(st: &State) -> (String, String) {
         (Some(p), Some(_)) => p.source.version(),
         _ => String::new(),
     };
-    (active, st.shadow.as_ref().map(|(_, s, _)| s.version()).unwrap_or_default())
+    (active, st.shadow.as_ref().map(|s| s.source.version()).unwrap_or_default())
 }
 
 /// A peer's advertised `host:port` (an IP, or a name such as a pod's DNS name).
@@ -392,9 +400,7 @@ impl WorkerService {
                             let _ = tx.blocking_send(Err(Status::aborted("stage: superseded by a later stage or abort")));
                             return;
                         }
-                        st.shadow = Some((w, source, round_trip.unwrap_or_default()));
-                        st.shadow_seconds = seconds;
-                        st.shadow_path = path;
+                        st.shadow = Some(Staged { weights: w, source, round_trip: round_trip.unwrap_or_default(), path, seconds });
                     } else {
                         st.weights = Some(w);
                         st.load_seconds = seconds;
@@ -550,13 +556,14 @@ impl Worker for WorkerService {
             if !expected.is_empty() && staged != expected {
                 return Err(Status::failed_precondition(format!("commit: staged version {staged}, expected {expected}")));
             }
-            let (mut w, source, _) = st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
+            let Staged { weights: mut w, source, path, seconds, .. } =
+                st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
             w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
             let replaced = st.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
             st.previous = st.weights.take().zip(replaced);
             st.weights = Some(w);
-            st.previous_seconds = std::mem::replace(&mut st.load_seconds, st.shadow_seconds);
-            st.previous_path = std::mem::replace(&mut st.load_path, st.shadow_path);
+            st.previous_seconds = std::mem::replace(&mut st.load_seconds, seconds);
+            st.previous_path = std::mem::replace(&mut st.load_path, path);
             if let Some(p) = &st.plan {
                 crate::metrics::worker().serving(p.dp_rank, p.tp_rank, &staged);
                 tracing::info!(tp_rank = p.tp_rank, replica = p.dp_rank, version = %staged, "committed the staged version");
@@ -577,7 +584,7 @@ impl Worker for WorkerService {
             self.not_ready().await;
         }
         self.with_state(move |st| {
-            keep_or_drop(st, |st| st.shadow.take().map(|(w, _, _)| w));
+            keep_or_drop(st, |st| st.shadow.take().map(|s| s.weights));
             st.stage_epoch += 1;
             if rollback {
                 let kept = st.previous.as_ref().map(|(_, s)| s.version());
@@ -644,7 +651,7 @@ impl Worker for WorkerService {
                 }
                 let (w, source) = weights_of(&st, shadow)?;
                 let rt = match (&st.shadow, shadow) {
-                    (Some((_, _, staged)), true) => staged.clone(),
+                    (Some(staged), true) => staged.round_trip.clone(),
                     _ => check_rank(&*backend, w, source),
                 };
                 let id = &w.identity;
@@ -690,7 +697,10 @@ impl Worker for WorkerService {
                     generation: w.generation,
                     staged_version: versions_of(&st).1,
                     previous_version: st.previous.as_ref().map(|(_, s)| s.version()).unwrap_or_default(),
-                    load_path: if shadow { st.shadow_path.into() } else { st.load_path.into() },
+                    load_path: match (&st.shadow, shadow) {
+                        (Some(staged), true) => staged.path.into(),
+                        _ => st.load_path.into(),
+                    },
                 }))
             };
             // The round trip of a staged version is background work too.
