@@ -355,6 +355,15 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
     // and serving them: each rank's shadow lies beside its own active weights, so staging every
     // replica together takes no more memory per rank than staging one at a time. Batches are then
     // verified and swapped in order while the later ones are still staging.
+    // Each replica's stage is on disk before any of its ranks is asked to stage; a journal that
+    // cannot be written refuses the update before any replica is touched.
+    for &dp in &replicas {
+        if let Err(e) = record(Event::UpdateStep { update, dp, step: Step::Staging }) {
+            let why = format!("refused before touching any replica: {e}");
+            end(false, &why);
+            return finish(false, new_version, vec![why], pending_commits);
+        }
+    }
     let first_batch: Vec<u32> = batches.first().cloned().unwrap_or_default();
     let limit = if max_staging == 0 { replicas.len().max(1) } else { max_staging as usize };
     let permits = tokio::sync::Semaphore::new(limit);
@@ -367,7 +376,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         senders.push((dp, tx));
     }
     let stager = futures_util::future::join_all(senders.into_iter().map(|(dp, tx)| {
-        let (permits, stopping, record, source, new_version) = (&permits, &stopping, &record, &source, &new_version);
+        let (permits, stopping, source, new_version) = (&permits, &stopping, &source, &new_version);
         // The first batch prepares the reference while it stages (later ones are verified against
         // what the first proved).
         let reference = first_batch.contains(&dp).then_some(probe);
@@ -375,8 +384,6 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             let _permit = permits.acquire().await;
             let outcome = if stopping.load(std::sync::atomic::Ordering::SeqCst) {
                 StageOutcome::NotStarted
-            } else if let Err(e) = record(Event::UpdateStep { update, dp, step: Step::Staging }) {
-                StageOutcome::Done(Err(unreachable_rank(&e)))
             } else {
                 // Staged beside its active weights, the replica keeps serving them; it leaves
                 // rotation only to be verified and swapped.

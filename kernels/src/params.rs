@@ -183,8 +183,7 @@ impl<B: Backend, P, S> Mx<B, P, S> {
     /// Host copies of the E4M3 bytes and per-row scales.
     pub fn to_host(&self, backend: &B) -> Result<(Vec<u8>, Vec<u8>), KernelError> {
         let (mut w, mut s) = (Vec::new(), Vec::new());
-        backend.download(&self.weight, &mut w)?;
-        backend.download(&self.scale, &mut s)?;
+        self.to_host_into(backend, &mut w, &mut s)?;
         Ok((w, s))
     }
     /// [`Mx::to_host`] into vectors that keep their capacity from a previous call.
