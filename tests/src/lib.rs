@@ -141,6 +141,12 @@ impl Served {
         serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)))
     }
 
+    /// `orchestrator update --checkpoint DIR --json`: its document, whatever its outcome.
+    pub fn update_doc(&self, checkpoint: &std::path::Path) -> serde_json::Value {
+        let o = self.cmd("update", &["--checkpoint", checkpoint.to_str().unwrap(), "--json"]);
+        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(&o), stderr(&o)))
+    }
+
     /// Starts a probe load in the background.
     pub fn probe_load(&self, rate: &str, seconds: &str) -> Child {
         Command::new(bin("orchestrator"))

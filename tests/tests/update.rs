@@ -189,8 +189,7 @@ fn a_version_is_verified_against_the_reference_once_and_later_replicas_by_identi
     synth(&c, "3");
     // Rank 2 (dp1/tp0) skips the permutation in whatever it stages.
     let cluster = Served::on_checkpoint("2", "2", &a, &root, &["--inject-fault", "2:stage-skip-permute"]);
-    let o = cluster.cmd("update", &["--checkpoint", b.to_str().unwrap(), "--json"]);
-    let doc: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)));
+    let doc = cluster.update_doc(&b);
     assert_eq!(doc["ok"], false, "{doc:#}");
     let steps: Vec<String> = doc["update"]["steps"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect();
     let dp0 = steps.iter().find(|s| s.starts_with("replica dp0:")).unwrap();
@@ -208,8 +207,7 @@ fn a_version_is_verified_against_the_reference_once_and_later_replicas_by_identi
     // Without the fault: dp1 is verified by identity to dp0, and both end on the new version.
     let cluster = Served::on_checkpoint("2", "2", &a, &root, &[]);
     let launched: Vec<f64> = cluster.report()["ranks"].as_array().unwrap().iter().map(|r| r["load_seconds"].as_f64().unwrap()).collect();
-    let o = cluster.cmd("update", &["--checkpoint", c.to_str().unwrap(), "--json"]);
-    let doc: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let doc = cluster.update_doc(&c);
     assert_eq!(doc["ok"], true, "{doc:#}");
     let steps = doc["update"]["steps"].to_string();
     assert!(steps.contains("replica dp0: staged in") && steps.contains("verified against the reference"), "{steps}");
@@ -234,8 +232,7 @@ fn a_first_replica_that_staged_wrong_layouts_fails_its_staged_round_trip() {
     synth(&b, "2");
     let cluster = Served::on_checkpoint("2", "2", &a, &root, &["--inject-fault", "0:stage-skip-permute"]);
     let before = versions(&cluster.report());
-    let o = cluster.cmd("update", &["--checkpoint", b.to_str().unwrap(), "--json"]);
-    let doc: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)));
+    let doc = cluster.update_doc(&b);
     assert_eq!(doc["ok"], false, "{doc:#}");
     let steps: Vec<&str> = doc["update"]["steps"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
     let dp0 = steps.iter().find(|s| s.starts_with("replica dp0: FAILED")).unwrap_or_else(|| panic!("{steps:#?}"));
@@ -257,8 +254,7 @@ fn kept_staging_buffers_are_restaged_into_with_the_same_bytes() {
         r["ranks"].as_array().unwrap().iter().map(|r| r["load_path"].as_str().unwrap().to_string()).collect()
     };
     let update = |cluster: &Served, to: &Path| {
-        let o = cluster.cmd("update", &["--checkpoint", to.to_str().unwrap(), "--json"]);
-        let doc: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)));
+        let doc = cluster.update_doc(to);
         assert_eq!(doc["ok"], true, "{doc:#}");
         cluster.report()
     };
