@@ -15,6 +15,7 @@
 
 use rayon::prelude::*;
 
+mod fused;
 mod tile;
 
 use crate::layout::swizzle_offset;
@@ -53,6 +54,23 @@ impl WeightView<'_> {
             ScaleView::Swizzled128x4(s) => s[swizzle_offset(n, kb, c)],
             ScaleView::PackedUe8m0 { bytes, group, rows_per_group } => {
                 bytes[((group * (c / 4) + kb / 4) * rows_per_group + n) * 4 + kb % 4]
+            }
+        }
+    }
+
+    /// The scales of rows `n0 .. n0 + 16` of block `kb`, for `n0` a multiple of 16: the bytes
+    /// they lie in, row `n0`'s offset and the step from one row to the next (every layout
+    /// keeps 16 such rows evenly spaced).
+    #[inline]
+    fn scale_run(&self, n0: usize, kb: usize) -> (&[u8], usize, usize) {
+        debug_assert!(n0.is_multiple_of(16));
+        let c = self.k / BLOCK;
+        match self.scales {
+            ScaleView::RowMajor(s) => (s, n0 * c + kb, c),
+            // Rows i and i + 1 of one 32-row slice of a 128-row block are 16 bytes apart.
+            ScaleView::Swizzled128x4(s) => (s, swizzle_offset(n0, kb, c), 16),
+            ScaleView::PackedUe8m0 { bytes, group, rows_per_group } => {
+                (bytes, ((group * (c / 4) + kb / 4) * rows_per_group + n0) * 4 + kb % 4, 4)
             }
         }
     }
@@ -136,15 +154,24 @@ pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
     }
     let (t_rows, k, n) = (a.rows, w.k, w.n);
     let a_deq = a.dequantize();
-    // Column tiles in parallel; each writes its own [T, TILE] block, scattered afterwards.
+    let fused = t_rows <= fused::FUSED_MAX_ROWS && fused::available();
+    // Column tiles in parallel; each writes its own [T, TILE] block, scattered afterwards. A
+    // few rows take the fused path, which hands back any tile it cannot compute exactly.
     let tiles: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(TILE))
         .into_par_iter()
         .map_init(
-            || vec![0f32; k * TILE],
-            |wt, tile| {
+            || (Vec::new(), Vec::new()),
+            |(wt, scales): &mut (Vec<f32>, Vec<u8>), tile| {
                 let n0 = tile * TILE;
-                tile::fill(w, n0, TILE.min(n - n0), wt);
                 let mut out = vec![0f32; t_rows * TILE];
+                if fused {
+                    scales.resize(TILE * (k / BLOCK), 0);
+                    if fused::tile(w, &a_deq, t_rows, n0, scales, &mut out) {
+                        return (n0, out);
+                    }
+                }
+                wt.resize(k * TILE, 0.0);
+                tile::fill(w, n0, TILE.min(n - n0), wt);
                 tile::accumulate(&a_deq, t_rows, k, wt, &mut out);
                 (n0, out)
             },
@@ -227,6 +254,72 @@ mod tests {
         // Reading swizzled scales as if they were plain gives a different answer.
         let wrong = WeightView { elements: &e, n, k, scales: ScaleView::RowMajor(&sw[..n * k / 32]) };
         assert_ne!(gemm(&a, &wrong).unwrap(), want);
+    }
+
+    /// Every E4M3 byte against scales from tiny to huge, for every row count up to past the
+    /// fused path's limit and in every scale layout: the same bits as the plain loop, over
+    /// tiles at every position of a 128-row swizzle block, including the tiles the fused path
+    /// hands back (a NaN byte in rows 64..96, a scale above 246 in rows 160..192) and a partial
+    /// last tile (rows 288..312).
+    #[test]
+    fn every_row_count_gives_the_plain_loops_bits_for_every_byte_and_scale() {
+        let (n, k) = (312, 256);
+        let c = k / 32;
+        let nan_rows = 64..96;
+        let e: Vec<u8> = (0..n * k)
+            .map(|i| {
+                let b = (i * 7 + i / k) as u8;
+                if !nan_rows.contains(&(i / k)) && e4m3::is_nan(b) { b ^ 1 } else { b }
+            })
+            .collect();
+        assert!(e[64 * k..96 * k].iter().any(|&b| e4m3::is_nan(b)));
+        // Rows take scales of one kind each, so that most outputs stay finite and every weight
+        // counts: ordinary (120..=134), tiny (0, 1, 3: subnormal products), huge (200, 246: the
+        // largest that fold), or a spread (100, 127, 128).
+        let s: Vec<u8> = (0..n * c)
+            .map(|i| match (i / c, i % c) {
+                (160..192, kb) => 247 + (kb % 8) as u8,
+                (row, kb) => match row % 4 {
+                    0 => 120 + ((kb * 5 + row) % 15) as u8,
+                    1 => [0u8, 1, 3][(kb + row) % 3],
+                    2 => [200u8, 246][(kb + row) % 2],
+                    _ => [100u8, 127, 128][(kb + row) % 3],
+                },
+            })
+            .collect();
+        let plain = WeightView { elements: &e, n, k, scales: ScaleView::RowMajor(&s) };
+        let mut sw = Vec::new();
+        swizzle_128x4(&s, n, c, &mut sw).unwrap();
+        let swz = WeightView { elements: &e, n, k, scales: ScaleView::Swizzled128x4(&sw) };
+        let mut packed = Vec::new();
+        pack_ue8m0_mn_major(&s, 2, n / 2, c, &mut packed).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for rows in 1..=fused::FUSED_MAX_ROWS + 1 {
+            let a = acts(rows, k);
+            let reference = gemm_reference(&a, &plain).unwrap();
+            let finite = reference.iter().filter(|x| x.is_finite() && **x != 0.0).count();
+            assert!(finite * 2 > reference.len(), "{finite} of {} outputs are finite and nonzero", reference.len());
+            let want = bits(&reference);
+            assert_eq!(bits(&gemm(&a, &plain).unwrap()), want, "{rows} rows, plain scales");
+            assert_eq!(bits(&gemm(&a, &swz).unwrap()), want, "{rows} rows, swizzled scales");
+            for group in 0..2 {
+                let rows_of = group * n / 2..(group + 1) * n / 2;
+                let g = WeightView {
+                    elements: &e[rows_of.start * k..rows_of.end * k],
+                    n: n / 2,
+                    k,
+                    scales: ScaleView::PackedUe8m0 { bytes: &packed, group, rows_per_group: n / 2 },
+                };
+                let got = bits(&gemm(&a, &g).unwrap());
+                for t in 0..rows {
+                    assert_eq!(
+                        &got[t * n / 2..(t + 1) * n / 2],
+                        &want[t * n + rows_of.start..t * n + rows_of.end],
+                        "{rows} rows, packed group {group}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

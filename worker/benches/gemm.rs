@@ -6,7 +6,7 @@ use orchestrator_worker::bench::run_gemm;
 
 fn main() -> anyhow::Result<()> {
     let dir = std::env::var("BENCH_DIR").map(Into::into).unwrap_or_else(|_| std::path::PathBuf::from("../target/bench-ckpt"));
-    let report = run_gemm(&[1, 16, 128], &dir)?;
+    let report = run_gemm(&[1, 2, 4, 8, 16, 128], &dir)?;
     print!("{}", report.render());
     Ok(())
 }

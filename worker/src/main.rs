@@ -109,7 +109,7 @@ struct BenchArgs {
 #[derive(Args)]
 struct BenchGemmArgs {
     /// Token counts (GEMM M).
-    #[arg(long, value_delimiter = ',', default_value = "1,16,128")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,128")]
     tokens: Vec<usize>,
     /// Where the probe's one-layer checkpoint is synthesized (kept for later runs).
     #[arg(long, default_value = "target/bench-ckpt")]

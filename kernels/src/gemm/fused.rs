@@ -1,0 +1,303 @@
+//! The GEMM for a few activation rows (`T <= FUSED_MAX_ROWS`, probes and decode steps), where
+//! [`super::tile`]'s dequantize-to-memory-then-accumulate spends most of its time writing and
+//! re-reading f32 tiles: here a tile's E4M3 bytes are transposed as bytes in registers,
+//! decoded, scaled and accumulated straight into the outputs, and nothing is stored but the
+//! outputs.
+//!
+//! The arithmetic is that of [`super::tile`], value for value: each weight is the E4M3 byte as
+//! a half (the value / 256), widened to f32 and multiplied once by `256 * scale`; each output
+//! sums `a * w` (a multiply, then an add, never fused) in increasing `k`. So the bits are those
+//! of every other path, and a tile this path cannot take exactly (a NaN byte, a scale byte above
+//! 246) is handed back to [`super::tile`].
+//!
+//! While a tile is computed, the next one (the one its thread usually takes next) is
+//! prefetched a block at a time: a tile reads 32 rows at once, more streams than the hardware
+//! prefetchers follow, and without this the loads wait on memory (`bench-gemm` at T = 1: 10 GB/s
+//! of weights without it, 23 GB/s with it, on the 2-core development VM).
+//!
+//! Chosen at run time on x86-64 CPUs with AVX-512 F, BW and VBMI (and F16C); elsewhere
+//! [`tile`] declines every tile.
+
+use super::{TILE, WeightView};
+use crate::mxfp8::BLOCK;
+
+/// Activation rows up to which [`super::gemm`] takes this path: beyond it the tiled path's
+/// dequantized tile is reused by enough rows to pay for itself (`bench-gemm` measures both).
+pub(super) const FUSED_MAX_ROWS: usize = 8;
+
+/// The largest scale byte whose `256 * scale` is a finite f32 (`2^(246 - 127 + 8) = 2^127`).
+const MAX_FOLDED_SCALE: u8 = 246;
+
+/// Whether this CPU runs the fused path.
+pub(super) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx512::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `out[t * TILE + j] = sum_k a[t * k + kk] * w[n0 + j, kk]` for `t < rows` over the `TILE`
+/// weight rows from `n0`, with `scales` as scratch (at least `TILE * k / 32` bytes). Returns
+/// false, leaving `out` unspecified, when this path cannot give the exact result: no fused
+/// path on this CPU, `rows` outside `1..=FUSED_MAX_ROWS`, a partial tile, a NaN byte or a scale
+/// byte above 246 in the tile.
+pub(super) fn tile(w: &WeightView<'_>, a: &[f32], rows: usize, n0: usize, scales: &mut [u8], out: &mut [f32]) -> bool {
+    let k = w.k;
+    let fits = (1..=FUSED_MAX_ROWS).contains(&rows)
+        && k.is_multiple_of(BLOCK)
+        && n0 + TILE <= w.n
+        && a.len() >= rows * k
+        && out.len() >= rows * TILE
+        && scales.len() >= TILE * (k / BLOCK);
+    if !fits || !available() {
+        return false;
+    }
+    // The tile's scales, block-major: scales[kb * TILE + j] is row n0 + j's scale of block kb.
+    let blocks = k / BLOCK;
+    for kb in 0..blocks {
+        for half in 0..TILE / 16 {
+            let (bytes, at, step) = w.scale_run(n0 + half * 16, kb);
+            let run = &bytes[at..=at + 15 * step];
+            for (r, s) in scales[kb * TILE + half * 16..][..16].iter_mut().enumerate() {
+                *s = run[r * step];
+            }
+        }
+    }
+    // A maximum (which vectorizes) rather than an early-exit search (which does not).
+    if scales[..blocks * TILE].iter().fold(0, |m, &s| m.max(s)) > MAX_FOLDED_SCALE {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: the CPU has AVX-512 F/BW/VBMI, AVX2 and F16C (`available` above), and the
+        // bounds `accumulate` relies on were checked above (`fits`).
+        let (e, scales) = (&w.elements[n0 * k..(n0 + TILE) * k], &scales[..blocks * TILE]);
+        // The tile after this one (the next a thread usually takes), fetched while this one is
+        // computed.
+        let next = &w.elements[((n0 + TILE) * k).min(w.elements.len())..((n0 + 2 * TILE) * k).min(w.elements.len())];
+        // SAFETY: as above.
+        unsafe {
+            match rows {
+                1 => avx512::accumulate::<1>(e, next, k, scales, a, out),
+                2 => avx512::accumulate::<2>(e, next, k, scales, a, out),
+                3 => avx512::accumulate::<3>(e, next, k, scales, a, out),
+                4 => avx512::accumulate::<4>(e, next, k, scales, a, out),
+                5 => avx512::accumulate::<5>(e, next, k, scales, a, out),
+                6 => avx512::accumulate::<6>(e, next, k, scales, a, out),
+                7 => avx512::accumulate::<7>(e, next, k, scales, a, out),
+                _ => avx512::accumulate::<8>(e, next, k, scales, a, out),
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{BLOCK, FUSED_MAX_ROWS, TILE};
+
+    pub fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vbmi")
+            && std::arch::is_x86_feature_detected!("f16c")
+            && std::arch::is_x86_feature_detected!("avx2")
+    }
+
+    /// Transposes sixteen 16 x 16 byte matrices, one per 128-bit lane: on return, lane `L` of
+    /// `r[j]` holds byte `j` of lane `L` of every input, input `i` at byte `i`. Four rounds of
+    /// unpacks (bytes, words, dwords, qwords), each pairing inputs that differ in one bit of
+    /// their index, so output `j` ends as column `j` (worked through in the module tests).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn transpose_lanes(r: &mut [__m512i; 16]) {
+        let a: [__m512i; 16] = std::array::from_fn(|i| {
+            let (p, h) = (i / 2, i % 2);
+            let (x, y) = (r[2 * p], r[2 * p + 1]);
+            if h == 0 { _mm512_unpacklo_epi8(x, y) } else { _mm512_unpackhi_epi8(x, y) }
+        });
+        // a[2p + h]: word w holds rows 2p, 2p+1 at column 8h + w.
+        let b: [__m512i; 16] = std::array::from_fn(|i| {
+            let (q, h, g) = (i / 4, (i / 2) % 2, i % 2);
+            let (x, y) = (a[4 * q + h], a[4 * q + 2 + h]);
+            if g == 0 { _mm512_unpacklo_epi16(x, y) } else { _mm512_unpackhi_epi16(x, y) }
+        });
+        // b[4q + 2h + g]: dword d holds rows 4q .. 4q+3 at column 8h + 4g + d.
+        let c: [__m512i; 16] = std::array::from_fn(|i| {
+            let (m, hg, f) = (i / 8, (i / 2) % 4, i % 2);
+            let (x, y) = (b[8 * m + hg], b[8 * m + 4 + hg]);
+            if f == 0 { _mm512_unpacklo_epi32(x, y) } else { _mm512_unpackhi_epi32(x, y) }
+        });
+        // c[8m + 4h + 2g + f]: qword e holds rows 8m .. 8m+7 at column 8h + 4g + 2f + e.
+        *r = std::array::from_fn(|i| {
+            let (hgf, e) = (i / 2, i % 2);
+            let (x, y) = (c[hgf], c[8 + hgf]);
+            if e == 0 { _mm512_unpacklo_epi64(x, y) } else { _mm512_unpackhi_epi64(x, y) }
+        });
+    }
+
+    /// `vpermb` indices that put byte `lane0 * 16 + i` in the high byte of word `i` and byte
+    /// `lane1 * 16 + i` in the high byte of word `16 + i` (low bytes are zeroed by the mask).
+    fn spread(lane0: usize, lane1: usize) -> [u8; 64] {
+        std::array::from_fn(|p| {
+            let word = p / 2;
+            if word < 16 { (lane0 * 16 + word) as u8 } else { (lane1 * 16 + word - 16) as u8 }
+        })
+    }
+
+    /// The tile: `e` is `TILE` rows of `k` E4M3 bytes, `scales` block-major (`[k / 32][TILE]`,
+    /// every byte at most 246). False when a byte of the tile is NaN.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2,f16c")]
+    pub unsafe fn accumulate<const ROWS: usize>(e: &[u8], next: &[u8], k: usize, scales: &[u8], a: &[f32], out: &mut [f32]) -> bool {
+        assert!(
+            e.len() == TILE * k
+                && scales.len() == TILE * (k / BLOCK)
+                && (1..=FUSED_MAX_ROWS).contains(&ROWS)
+                && a.len() >= ROWS * k
+                && out.len() >= ROWS * TILE
+        );
+        const HALF: usize = TILE / 2;
+        // SAFETY (loads below): row r + HALF < TILE and kb * BLOCK + 32 <= k, so every 32-byte
+        // load lies in `e`; scale loads read 16 bytes at kb * TILE (+ 16) < scales.len().
+        let ep = e.as_ptr();
+        let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
+        let mut nan = _mm512_setzero_si512();
+        let high = _mm512_set1_epi8(0x80u8 as i8);
+        let odd_bytes: __mmask64 = 0xAAAA_AAAA_AAAA_AAAA;
+        // Half h of a block: columns 16h .. 16h + 15, in lanes h (rows 0..16) and 2 + h (rows 16..32).
+        let idx = [spread(0, 2), spread(1, 3)].map(|s| unsafe { _mm512_loadu_si512(s.as_ptr().cast()) });
+        let half_bits = _mm512_set1_epi16(0xBF80u16 as i16);
+        let fold = _mm512_set1_epi32(8);
+        for kb in 0..k / BLOCK {
+            // One block's worth of the next tile (TILE * BLOCK bytes) per block of this one.
+            if let Some(lines) = next.get(kb * TILE * BLOCK..(kb + 1) * TILE * BLOCK) {
+                for line in lines.chunks(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
+                }
+            }
+            // r[i]: lanes 0, 1 = row i, columns 0..32 of the block; lanes 2, 3 = row i + 16.
+            let mut r: [__m512i; 16] = std::array::from_fn(|i| unsafe {
+                let lo = _mm256_loadu_si256(ep.add(i * k + kb * BLOCK).cast());
+                let hi = _mm256_loadu_si256(ep.add((i + HALF) * k + kb * BLOCK).cast());
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+            });
+            for x in &r {
+                // A byte is NaN exactly when it is 0xFF once its sign bit is set.
+                nan = _mm512_max_epu8(nan, _mm512_or_si512(*x, high));
+            }
+            transpose_lanes(&mut r);
+            // 256 * scale as f32 bits: the exponent field is the scale byte + 8 (every byte <= 246,
+            // byte 0 included: 2^-127 * 256 = 2^-119).
+            let s: [__m512; 2] = std::array::from_fn(|g| unsafe {
+                let bytes = _mm_loadu_si128(scales.as_ptr().add(kb * TILE + g * HALF).cast());
+                _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtepu8_epi32(bytes), fold)))
+            });
+            for (h, idx) in idx.iter().enumerate() {
+                for (j, col) in r.iter().enumerate() {
+                    // Each byte b in a word's high byte, then shifted right by one (sign copied):
+                    // bits 13..7 hold b's low seven bits and bit 15 its sign, as `tile`'s
+                    // sign-extend and shift left by 7 give, once bit 14 is cleared.
+                    let spread = _mm512_maskz_permutexvar_epi8(odd_bytes, *idx, *col);
+                    let halfs = _mm512_and_si512(_mm512_srai_epi16::<1>(spread), half_bits);
+                    let w0 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(halfs)), s[0]);
+                    let w1 = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(halfs)), s[1]);
+                    let kk = kb * BLOCK + h * 16 + j;
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        // SAFETY: t * k + kk < ROWS * k <= a.len().
+                        let av = _mm512_set1_ps(unsafe { *a.get_unchecked(t * k + kk) });
+                        acc[0] = _mm512_add_ps(acc[0], _mm512_mul_ps(av, w0));
+                        acc[1] = _mm512_add_ps(acc[1], _mm512_mul_ps(av, w1));
+                    }
+                }
+            }
+        }
+        if _mm512_cmpeq_epi8_mask(nan, _mm512_set1_epi8(-1)) != 0 {
+            return false;
+        }
+        for (t, acc) in acc.iter().enumerate() {
+            // SAFETY: t * TILE + 32 <= ROWS * TILE <= out.len().
+            unsafe {
+                _mm512_storeu_ps(out.as_mut_ptr().add(t * TILE), acc[0]);
+                _mm512_storeu_ps(out.as_mut_ptr().add(t * TILE + HALF), acc[1]);
+            }
+        }
+        true
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn lanes_transpose_to_columns() {
+            if !available() {
+                return;
+            }
+            let input: [[u8; 64]; 16] = std::array::from_fn(|i| std::array::from_fn(|b| (i * 64 + b) as u8 ^ 0x5A));
+            // SAFETY: the CPU has AVX-512 F and BW (checked above).
+            let got = unsafe {
+                let mut r = input.map(|row| _mm512_loadu_si512(row.as_ptr().cast()));
+                transpose_lanes(&mut r);
+                r.map(|v| {
+                    let mut bytes = [0u8; 64];
+                    _mm512_storeu_si512(bytes.as_mut_ptr().cast(), v);
+                    bytes
+                })
+            };
+            for (j, row) in got.iter().enumerate() {
+                for lane in 0..4 {
+                    for i in 0..16 {
+                        assert_eq!(row[lane * 16 + i], input[i][lane * 16 + j], "output {j}, lane {lane}, byte {i}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gemm::ScaleView;
+
+    /// What the fused path declines, it declines whole: a NaN byte anywhere in the tile, a scale
+    /// byte above 246, a partial tile, or more rows than it takes (the tiled path computes
+    /// those). What it takes, it computes.
+    #[test]
+    fn the_fused_path_declines_exactly_the_tiles_it_cannot_compute_exactly() {
+        let (n, k) = (64, 128);
+        let e: Vec<u8> = (0..n * k).map(|i| (i * 5 % 0x7E) as u8).collect();
+        let s = vec![127u8; n * k / BLOCK];
+        let a = vec![0.5f32; FUSED_MAX_ROWS * 2 * k];
+        let (mut scratch, mut out) = (vec![0u8; TILE * k / BLOCK], vec![0f32; 2 * FUSED_MAX_ROWS * TILE]);
+        let mut takes = |e: &[u8], s: &[u8], rows: usize, n0: usize, n: usize| {
+            let w = WeightView { elements: &e[..n * k], n, k, scales: ScaleView::RowMajor(&s[..n * k / BLOCK]) };
+            tile(&w, &a, rows, n0, &mut scratch, &mut out)
+        };
+        assert_eq!(takes(&e, &s, 1, 32, n), available());
+        assert_eq!(takes(&e, &s, FUSED_MAX_ROWS, 0, n), available());
+        assert!(!takes(&e, &s, FUSED_MAX_ROWS + 1, 0, n), "too many rows");
+        assert!(!takes(&e, &s, 0, 0, n), "no rows");
+        assert!(!takes(&e, &s, 1, 32, 48), "a partial tile");
+        for (at, byte) in [(32 * k + 5, 0x7Fu8), (63 * k + k - 1, 0xFF)] {
+            let mut nan = e.clone();
+            nan[at] = byte;
+            assert!(!takes(&nan, &s, 1, 32, n), "NaN {byte:#x} at {at}");
+            assert_eq!(takes(&nan, &s, 1, 0, n), available(), "the other tile has no NaN");
+        }
+        let mut big = s.clone();
+        big[(32 + 7) * (k / BLOCK) + 3] = MAX_FOLDED_SCALE + 1;
+        assert!(!takes(&e, &big, 1, 32, n), "a scale above 246");
+        big[(32 + 7) * (k / BLOCK) + 3] = MAX_FOLDED_SCALE;
+        assert_eq!(takes(&e, &big, 1, 32, n), available(), "246 folds");
+    }
+}
