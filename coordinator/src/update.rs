@@ -13,6 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use orchestrator_model::inspect::inspect;
@@ -315,24 +316,23 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
     ));
     let target = SourceRecord::Checkpoint { dir: dir.to_path_buf() };
     let source = pb::LoadSource { content: claim, ..target.to_pb() };
-    let update = journal.as_ref().map_or(0, |(_, id, _)| *id);
-    // Steps that must be on disk before the workers act on them fail the update when they
-    // cannot be written; the rest are noted (what happened on the workers stays true).
-    let record = |event: Event| -> Result<(), String> {
-        match &journal {
-            Some((j, _, _)) => j.record(event).map_err(|e| format!("journal: {e}")),
-            None => Ok(()),
-        }
+    let roll = Roll {
+        cluster,
+        rotation,
+        journal: journal.as_ref().map(|(j, _, _)| *j),
+        update: journal.as_ref().map_or(0, |(_, id, _)| *id),
+        new_version: new_version.clone(),
+        probe,
+        commit_timeout,
     };
-    let note = |event: Event| {
-        if let Some((j, _, _)) = &journal {
-            j.note(event);
-        }
-    };
-    let end = |ok: bool, text: &str| note(Event::UpdateEnd { update, ok, note: text.to_string() });
     if let Some((_, _, from)) = &journal
-        && let Err(e) =
-            record(Event::UpdateBegin { update, from: from.clone(), to: target, new_version: new_version.clone(), max_unavailable })
+        && let Err(e) = roll.record(Event::UpdateBegin {
+            update: roll.update,
+            from: from.clone(),
+            to: target,
+            new_version: new_version.clone(),
+            max_unavailable,
+        })
     {
         return finish(false, new_version, vec![format!("refused before touching any replica: {e}")], pending_commits);
     }
@@ -351,48 +351,27 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         .collect();
     crate::metrics::metrics().update_started(replicas.len());
     let batches = rollout::batches(&replicas, max_unavailable, cluster.dp);
-    // Every replica stages at once (at most `max_staging` at a time), beside its active weights
-    // and serving them: each rank's shadow lies beside its own active weights, so staging every
-    // replica together takes no more memory per rank than staging one at a time. Batches are then
-    // verified and swapped in order while the later ones are still staging.
     // Each replica's stage is on disk before any of its ranks is asked to stage; a journal that
     // cannot be written refuses the update before any replica is touched.
     for &dp in &replicas {
-        if let Err(e) = record(Event::UpdateStep { update, dp, step: Step::Staging }) {
+        if let Err(e) = roll.record(Event::UpdateStep { update: roll.update, dp, step: Step::Staging }) {
             let why = format!("refused before touching any replica: {e}");
-            end(false, &why);
+            roll.end(false, &why);
             return finish(false, new_version, vec![why], pending_commits);
         }
     }
+    // Every replica stages at once (see `Roll::stage_all`) while the batches are verified and
+    // swapped in order.
     let first_batch: Vec<u32> = batches.first().cloned().unwrap_or_default();
     let limit = if max_staging == 0 { replicas.len().max(1) } else { max_staging as usize };
-    let permits = tokio::sync::Semaphore::new(limit);
-    let stopping = std::sync::atomic::AtomicBool::new(false);
-    let mut receivers = BTreeMap::new();
-    let mut senders = Vec::new();
+    let stopping = AtomicBool::new(false);
+    let (mut senders, mut receivers) = (Vec::new(), BTreeMap::new());
     for &dp in &replicas {
         let (tx, rx) = tokio::sync::oneshot::channel::<StageOutcome>();
         receivers.insert(dp, rx);
         senders.push((dp, tx));
     }
-    let stager = futures_util::future::join_all(senders.into_iter().map(|(dp, tx)| {
-        let (permits, stopping, source, new_version) = (&permits, &stopping, &source, &new_version);
-        // The first batch prepares the reference while it stages (later ones are verified against
-        // what the first proved).
-        let reference = first_batch.contains(&dp).then_some(probe);
-        async move {
-            let _permit = permits.acquire().await;
-            let outcome = if stopping.load(std::sync::atomic::Ordering::SeqCst) {
-                StageOutcome::NotStarted
-            } else {
-                // Staged beside its active weights, the replica keeps serving them; it leaves
-                // rotation only to be verified and swapped.
-                rotation.take_for_update(dp, false);
-                StageOutcome::Done(stage_replica(cluster, dp, source, new_version, reference).await)
-            };
-            let _ = tx.send(outcome);
-        }
-    }));
+    let stager = roll.stage_all(&source, senders, &first_batch, limit, &stopping);
     let process = async {
         let mut reference_y: Option<String> = None;
         // What the first verified replica proved; the later ones are checked against it.
@@ -400,133 +379,20 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         let mut rest = batches.iter();
         let ended = 'batches: loop {
             let Some(group) = rest.next() else { break 'batches None };
-            let staged = {
-                let proof = verified.clone();
-                let waits = group.iter().map(|dp| (*dp, receivers.remove(dp)));
-                futures_util::future::join_all(waits.map(|(dp, rx)| {
-                    let proof = proof.clone();
-                    let new_version = &new_version;
-                    async move {
-                        let stage_s = match rx {
-                            Some(rx) => match rx.await {
-                                Ok(StageOutcome::Done(r)) => r?,
-                                _ => return Err(unreachable_rank("its stage did not run")),
-                            },
-                            None => return Err(unreachable_rank("its stage did not run")),
-                        };
-                        verify_staged(cluster, rotation, dp, new_version, probe, proof.as_ref(), stage_s).await
-                    }
-                }))
-                .await
-            };
-            let mut failure: Option<(u32, String)> = None;
-            // Every replica of the batch must verify, and all must agree on y with each other and
-            // with the replicas already updated; every rank must still be up at the decision.
-            for (&dp, r) in group.iter().zip(&staged) {
-                let verification = match r {
-                    Err(e) => Err(e.clone()),
-                    Ok(staged) => match &reference_y {
-                        Some(r) if *r != staged.y => Err(fail(
-                            VerifyRule::YAgreement,
-                            format!("staged y {} differs from the already verified replicas' {r}", staged.y),
-                        )),
-                        _ => {
-                            reference_y = Some(staged.y.clone());
-                            if verified.is_none() {
-                                verified = Some(staged.proof.clone());
-                            }
-                            Ok(())
-                        }
-                    },
-                };
-                if let Err(e) = &verification {
-                    tracing::warn!(replica = dp, version = %new_version, rule = e.rule.label(), "staged version failed verification: {}", e.why);
-                    crate::metrics::metrics().verification_failed(e.rule.label());
-                }
-                let verification = verification.map_err(|e| e.why);
-                let unhealthy: Vec<String> = cluster.down_in(dp).await.into_iter().flatten().map(|(_, why)| why).collect();
-                if let Decision::Abort { why } = rollout::decide(verification, &unhealthy) {
-                    failure.get_or_insert((dp, why));
-                }
-            }
-            // The commit decision of each replica, on disk before any of its ranks is told to swap.
-            // Once one is on disk that replica is committed, whatever happens to the rest of the
-            // batch: a failure to write the next one aborts only the replicas not yet decided.
-            let mut decided: Vec<u32> = Vec::new();
-            if failure.is_none() {
-                for &dp in group {
-                    note(Event::UpdateStep { update, dp, step: Step::Verified });
-                }
-                for &dp in group {
-                    match record(Event::UpdateStep { update, dp, step: Step::Decided }) {
-                        Ok(()) => decided.push(dp),
-                        Err(e) => {
-                            failure.get_or_insert((dp, e));
-                            break;
-                        }
-                    }
-                }
-            }
+            let staged = roll.verify_batch(group, &mut receivers, verified.as_ref()).await;
+            let (decided, failure) = roll.decide_batch(group, &staged, &mut reference_y, &mut verified).await;
             let undecided: Vec<u32> = group.iter().copied().filter(|dp| !decided.contains(dp)).collect();
             if let Some((failed, e)) = &failure {
                 let (failed, e) = (*failed, e.clone());
                 let why = |dp: u32| {
                     ("FAILED", if dp == failed { e.clone() } else { format!("aborted with its batch (replica dp{failed} failed)") })
                 };
-                abort_batch(cluster, rotation, &undecided, &record, update, probe, &why, &mut steps).await;
+                roll.abort_replicas(&undecided, &why, &mut steps).await;
                 if decided.is_empty() {
                     break 'batches Some((failed, format!("replica dp{failed} failed: {e}")));
                 }
             }
-            // Decided: drive every rank of every decided replica to the new version.
-            let commit_started = Instant::now();
-            let statuses =
-                futures_util::future::join_all(decided.iter().map(|&dp| drive_commit(cluster, dp, &new_version, commit_timeout))).await;
-            let commit_s = commit_started.elapsed().as_secs_f64();
-            let mut stuck = Vec::new();
-            for (&dp, status) in decided.iter().zip(statuses) {
-                let r = &staged[group.iter().position(|g| *g == dp).unwrap_or(0)];
-                let detail = r.as_ref().map(|s| s.detail.as_str()).unwrap_or_default();
-                match status {
-                    CommitStatus::Done => {
-                        crate::metrics::metrics().update_replica_done();
-                        note(Event::UpdateStep { update, dp, step: Step::Committed });
-                        rotation.observed_version(dp, &new_version);
-                        let y = r.as_ref().map(|s| s.y.as_str()).unwrap_or_default();
-                        let proof = Proof::SameAsStaged { version: &new_version, y };
-                        let t = Instant::now();
-                        let reinstated = try_reinstate(cluster, rotation, dp, probe, proof, true).await;
-                        let reinstate_s = t.elapsed().as_secs_f64();
-                        let back = match reinstated {
-                            Ok(_) => String::new(),
-                            Err(why) => {
-                                rotation.pull(dp, &format!("its probe after the commit failed: {why}"));
-                                format!("; its probe after the commit failed, out of rotation: {why}")
-                            }
-                        };
-                        tracing::info!(replica = dp, version = %new_version, commit_s, reinstate_s, "replica swapped to the new version");
-                        steps.push(format!(
-                            "replica dp{dp}: {detail}; swapped to {new_version} in {commit_s:.2} s, probed back in {reinstate_s:.2} s{back}"
-                        ));
-                    }
-                    CommitStatus::Stuck { ranks } => {
-                        let labels: Vec<String> = ranks.iter().map(|(tp, why)| format!("rank dp{dp}/tp{tp} {why}")).collect();
-                        let dead = ranks.iter().any(|(_, why)| why.starts_with("dead"));
-                        let why = format!("commit to {new_version} decided, not confirmed by every rank: {}", labels.join("; "));
-                        if dead {
-                            rotation.mark_dead(dp, &why);
-                        } else {
-                            rotation.pull(dp, &why);
-                        }
-                        rotation.set_pending_commit(dp, Some(new_version.clone()));
-                        pending_commits.insert(dp, new_version.clone());
-                        steps.push(format!("replica dp{dp}: {detail}; {why}; out of rotation until every rank confirms {new_version}"));
-                        stuck.push(dp);
-                    }
-                    CommitStatus::Pending { .. } => unreachable!("drive_commit returns only done or stuck"),
-                }
-                rotation.release(dp);
-            }
+            let stuck = roll.commit_decided(group, &decided, &staged, &mut steps, &mut pending_commits).await;
             if let Some((failed, e)) = failure {
                 break 'batches Some((failed, format!("replica dp{failed} failed: {e}; replicas {decided:?} committed before it")));
             }
@@ -534,32 +400,22 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
                 break 'batches Some((stuck[0], format!("replicas {stuck:?}: commit decided, not confirmed by every rank")));
             }
         };
-        // An update that ends early drops what the replicas it did not reach staged (each once
-        // its stage has ended, so that no stage lands after the abort), and stages no more.
         if let Some((failed, _)) = &ended {
-            stopping.store(true, std::sync::atomic::Ordering::SeqCst);
-            for (dp, rx) in std::mem::take(&mut receivers) {
-                let why = format!("the update ended at replica dp{failed} before its turn");
-                match rx.await {
-                    Ok(StageOutcome::NotStarted) | Err(_) => steps.push(format!("replica dp{dp}: not updated, {why}")),
-                    Ok(StageOutcome::Done(_)) => {
-                        abort_batch(cluster, rotation, &[dp], &record, update, probe, &|_| ("not updated", why.clone()), &mut steps).await;
-                    }
-                }
-            }
+            stopping.store(true, Ordering::SeqCst);
+            roll.drop_unreached(std::mem::take(&mut receivers), *failed, &mut steps).await;
         }
         ended
     };
     let (_, ended) = tokio::join!(stager, process);
     if let Some((_, why)) = ended {
-        end(false, &why);
+        roll.end(false, &why);
         return finish(false, new_version, steps, pending_commits);
     }
     if !skipped.is_empty() {
-        end(false, &format!("every live replica verified and swapped; replicas {skipped:?} skipped (a rank is dead)"));
+        roll.end(false, &format!("every live replica verified and swapped; replicas {skipped:?} skipped (a rank is dead)"));
         return finish(false, new_version, steps, pending_commits);
     }
-    end(true, "every replica verified and swapped");
+    roll.end(true, "every replica verified and swapped");
     finish(true, new_version, steps, pending_commits)
 }
 
@@ -571,74 +427,291 @@ enum StageOutcome {
     Done(Result<f64, VerifyFailure>),
 }
 
-/// The abort decision for a batch (journaled before any rank is told), then every rank drops
-/// what it staged and each replica is probed back into rotation.
-#[allow(clippy::too_many_arguments)]
-async fn abort_batch(
-    cluster: &Cluster,
-    rotation: &Rotation,
-    group: &[u32],
-    record: &impl Fn(Event) -> Result<(), String>,
+/// One rolling update past its validation: what each of its steps needs.
+struct Roll<'a> {
+    cluster: &'a Cluster,
+    rotation: &'a Rotation,
+    journal: Option<&'a Journal>,
+    /// The update's number in the journal (0 without one).
     update: u64,
+    new_version: String,
     probe: ProbeSpec,
-    why: &(dyn Fn(u32) -> (&'static str, String) + Sync),
-    steps: &mut Vec<String>,
-) {
-    for &dp in group {
-        // Dropping a staged copy is always safe: abort even when the journal cannot be written.
-        if let Err(j) = record(Event::UpdateStep { update, dp, step: Step::Aborted }) {
-            tracing::error!("{j}");
+    commit_timeout: std::time::Duration,
+}
+
+impl Roll<'_> {
+    /// Journals a step that must be on disk before the workers act on it (an error fails the
+    /// update).
+    fn record(&self, event: Event) -> Result<(), String> {
+        match self.journal {
+            Some(j) => j.record(event).map_err(|e| format!("journal: {e}")),
+            None => Ok(()),
         }
-        let answers = cluster.abort(dp).await;
-        let held: Vec<&String> = answers.values().filter_map(|r| r.as_ref().ok()).collect();
-        let kept = match held.first() {
-            Some(v) if held.iter().all(|h| h == v) => {
-                if held.len() == answers.len() {
-                    rotation.observed_version(dp, v);
-                    format!("kept version {v}")
+    }
+
+    /// Journals a step that happened whatever the journal says (a write failure is noted).
+    fn note(&self, event: Event) {
+        if let Some(j) = self.journal {
+            j.note(event);
+        }
+    }
+
+    fn end(&self, ok: bool, text: &str) {
+        self.note(Event::UpdateEnd { update: self.update, ok, note: text.to_string() });
+    }
+
+    /// Stages every replica at once (at most `limit` at a time), beside its active weights and
+    /// serving them: each rank's shadow lies beside its own active weights, so staging every
+    /// replica together takes no more memory per rank than staging one at a time. Each outcome
+    /// goes to its replica's receiver; once `stopping` is set, no further stage starts.
+    async fn stage_all(
+        &self,
+        source: &pb::LoadSource,
+        replicas: Vec<(u32, tokio::sync::oneshot::Sender<StageOutcome>)>,
+        first_batch: &[u32],
+        limit: usize,
+        stopping: &AtomicBool,
+    ) {
+        let permits = tokio::sync::Semaphore::new(limit);
+        futures_util::future::join_all(replicas.into_iter().map(|(dp, tx)| {
+            let permits = &permits;
+            // The first batch prepares the reference while it stages (later ones are verified
+            // against what the first proved).
+            let reference = first_batch.contains(&dp).then_some(self.probe);
+            async move {
+                let _permit = permits.acquire().await;
+                let outcome = if stopping.load(Ordering::SeqCst) {
+                    StageOutcome::NotStarted
                 } else {
-                    format!("kept version {v} on every rank that answered")
-                }
+                    // Staged beside its active weights, the replica keeps serving them; it leaves
+                    // rotation only to be verified and swapped.
+                    self.rotation.take_for_update(dp, false);
+                    StageOutcome::Done(stage_replica(self.cluster, dp, source, &self.new_version, reference).await)
+                };
+                let _ = tx.send(outcome);
             }
-            Some(_) => format!(
-                "its ranks answered the abort with different versions ({})",
-                held.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", ")
-            ),
-            None => "no rank answered the abort".to_string(),
-        };
-        let down: Vec<(bool, String)> = cluster.down_in(dp).await.into_iter().flatten().collect();
-        let out = if let Some((_, why)) = down.iter().find(|(dead, _)| *dead) {
-            rotation.mark_dead(dp, why);
-            format!(" ({why}: out of rotation)")
-        } else if !down.is_empty() {
-            rotation.pull(dp, &down[0].1);
-            format!(" ({}: out of rotation)", down[0].1)
-        } else {
-            match try_reinstate(cluster, rotation, dp, probe, Proof::Verified, true).await {
-                Ok(_) => String::new(),
-                Err(why) => {
-                    // A rank that died just before the abort may be known dead only now.
-                    let dead = cluster.down_in(dp).await.into_iter().flatten().find(|(dead, _)| *dead).map(|(_, why)| why);
-                    match dead {
-                        Some(dead) => {
-                            rotation.mark_dead(dp, &dead);
-                            format!(" ({dead}: out of rotation; its probe after the abort failed: {why})")
+        }))
+        .await;
+    }
+
+    /// Waits for each replica of `group` to have staged, then verifies what it staged.
+    async fn verify_batch(
+        &self,
+        group: &[u32],
+        receivers: &mut BTreeMap<u32, tokio::sync::oneshot::Receiver<StageOutcome>>,
+        verified: Option<&VerifiedVersion>,
+    ) -> Vec<Result<Staged, VerifyFailure>> {
+        let waits: Vec<_> = group.iter().map(|dp| (*dp, receivers.remove(dp))).collect();
+        futures_util::future::join_all(waits.into_iter().map(|(dp, rx)| async move {
+            let stage_s = match rx {
+                Some(rx) => match rx.await {
+                    Ok(StageOutcome::Done(r)) => r?,
+                    _ => return Err(unreachable_rank("its stage did not run")),
+                },
+                None => return Err(unreachable_rank("its stage did not run")),
+            };
+            verify_staged(self.cluster, self.rotation, dp, &self.new_version, self.probe, verified, stage_s).await
+        }))
+        .await
+    }
+
+    /// Every replica of the batch must verify, and all must agree on y with each other and with
+    /// the replicas already updated; every rank must still be up at the decision. Then the
+    /// commit decision of each replica goes on disk before any of its ranks is told to swap:
+    /// once one is on disk that replica is committed, whatever happens to the rest of the batch
+    /// (a failure to write the next one aborts only the replicas not yet decided). Returns the
+    /// decided replicas and the first failure.
+    async fn decide_batch(
+        &self,
+        group: &[u32],
+        staged: &[Result<Staged, VerifyFailure>],
+        reference_y: &mut Option<String>,
+        verified: &mut Option<VerifiedVersion>,
+    ) -> (Vec<u32>, Option<(u32, String)>) {
+        let mut failure: Option<(u32, String)> = None;
+        for (&dp, r) in group.iter().zip(staged) {
+            let verification = match r {
+                Err(e) => Err(e.clone()),
+                Ok(staged) => match reference_y {
+                    Some(r) if *r != staged.y => {
+                        Err(fail(VerifyRule::YAgreement, format!("staged y {} differs from the already verified replicas' {r}", staged.y)))
+                    }
+                    _ => {
+                        *reference_y = Some(staged.y.clone());
+                        if verified.is_none() {
+                            *verified = Some(staged.proof.clone());
                         }
-                        None => {
-                            rotation.pull(dp, &format!("its probe after the abort failed: {why}"));
-                            format!(" (its probe after the abort failed: out of rotation: {why})")
-                        }
+                        Ok(())
+                    }
+                },
+            };
+            if let Err(e) = &verification {
+                tracing::warn!(replica = dp, version = %self.new_version, rule = e.rule.label(), "staged version failed verification: {}", e.why);
+                crate::metrics::metrics().verification_failed(e.rule.label());
+            }
+            let verification = verification.map_err(|e| e.why);
+            let unhealthy: Vec<String> = self.cluster.down_in(dp).await.into_iter().flatten().map(|(_, why)| why).collect();
+            if let Decision::Abort { why } = rollout::decide(verification, &unhealthy) {
+                failure.get_or_insert((dp, why));
+            }
+        }
+        let mut decided: Vec<u32> = Vec::new();
+        if failure.is_none() {
+            for &dp in group {
+                self.note(Event::UpdateStep { update: self.update, dp, step: Step::Verified });
+            }
+            for &dp in group {
+                match self.record(Event::UpdateStep { update: self.update, dp, step: Step::Decided }) {
+                    Ok(()) => decided.push(dp),
+                    Err(e) => {
+                        failure.get_or_insert((dp, e));
+                        break;
                     }
                 }
             }
-        };
-        rotation.release(dp);
-        let (headline, why) = why(dp);
-        steps.push(format!("replica dp{dp}: {headline}, {kept}{out}: {why}"));
+        }
+        (decided, failure)
+    }
+
+    /// Drives every rank of every decided replica to the new version, then probes each swapped
+    /// replica back into rotation. Returns the replicas whose commit is stuck (decided, not
+    /// confirmed by every rank: they stay out with the commit pending).
+    async fn commit_decided(
+        &self,
+        group: &[u32],
+        decided: &[u32],
+        staged: &[Result<Staged, VerifyFailure>],
+        steps: &mut Vec<String>,
+        pending_commits: &mut BTreeMap<u32, String>,
+    ) -> Vec<u32> {
+        let (cluster, rotation, new_version) = (self.cluster, self.rotation, &self.new_version);
+        let commit_started = Instant::now();
+        let statuses =
+            futures_util::future::join_all(decided.iter().map(|&dp| drive_commit(cluster, dp, new_version, self.commit_timeout))).await;
+        let commit_s = commit_started.elapsed().as_secs_f64();
+        let mut stuck = Vec::new();
+        for (&dp, status) in decided.iter().zip(statuses) {
+            let r = &staged[group.iter().position(|g| *g == dp).unwrap_or(0)];
+            let detail = r.as_ref().map(|s| s.detail.as_str()).unwrap_or_default();
+            match status {
+                CommitStatus::Done => {
+                    crate::metrics::metrics().update_replica_done();
+                    self.note(Event::UpdateStep { update: self.update, dp, step: Step::Committed });
+                    rotation.observed_version(dp, new_version);
+                    let y = r.as_ref().map(|s| s.y.as_str()).unwrap_or_default();
+                    let proof = Proof::SameAsStaged { version: new_version, y };
+                    let t = Instant::now();
+                    let reinstated = try_reinstate(cluster, rotation, dp, self.probe, proof, true).await;
+                    let reinstate_s = t.elapsed().as_secs_f64();
+                    let back = match reinstated {
+                        Ok(_) => String::new(),
+                        Err(why) => {
+                            rotation.pull(dp, &format!("its probe after the commit failed: {why}"));
+                            format!("; its probe after the commit failed, out of rotation: {why}")
+                        }
+                    };
+                    tracing::info!(replica = dp, version = %new_version, commit_s, reinstate_s, "replica swapped to the new version");
+                    steps.push(format!(
+                        "replica dp{dp}: {detail}; swapped to {new_version} in {commit_s:.2} s, probed back in {reinstate_s:.2} s{back}"
+                    ));
+                }
+                CommitStatus::Stuck { ranks } => {
+                    let labels: Vec<String> = ranks.iter().map(|(tp, why)| format!("rank dp{dp}/tp{tp} {why}")).collect();
+                    let dead = ranks.iter().any(|(_, why)| why.starts_with("dead"));
+                    let why = format!("commit to {new_version} decided, not confirmed by every rank: {}", labels.join("; "));
+                    if dead {
+                        rotation.mark_dead(dp, &why);
+                    } else {
+                        rotation.pull(dp, &why);
+                    }
+                    rotation.set_pending_commit(dp, Some(new_version.clone()));
+                    pending_commits.insert(dp, new_version.clone());
+                    steps.push(format!("replica dp{dp}: {detail}; {why}; out of rotation until every rank confirms {new_version}"));
+                    stuck.push(dp);
+                }
+                CommitStatus::Pending { .. } => unreachable!("drive_commit returns only done or stuck"),
+            }
+            rotation.release(dp);
+        }
+        stuck
+    }
+
+    /// An update that ended early (at replica `failed`) drops what the replicas it did not reach
+    /// staged, each once its stage has ended, so that no stage lands after the abort.
+    async fn drop_unreached(
+        &self,
+        receivers: BTreeMap<u32, tokio::sync::oneshot::Receiver<StageOutcome>>,
+        failed: u32,
+        steps: &mut Vec<String>,
+    ) {
+        for (dp, rx) in receivers {
+            let why = format!("the update ended at replica dp{failed} before its turn");
+            match rx.await {
+                Ok(StageOutcome::NotStarted) | Err(_) => steps.push(format!("replica dp{dp}: not updated, {why}")),
+                Ok(StageOutcome::Done(_)) => self.abort_replicas(&[dp], &|_| ("not updated", why.clone()), steps).await,
+            }
+        }
+    }
+
+    /// The abort decision for replicas (journaled before any rank is told), then every rank
+    /// drops what it staged and each replica is probed back into rotation.
+    async fn abort_replicas(&self, group: &[u32], why: &(dyn Fn(u32) -> (&'static str, String) + Sync), steps: &mut Vec<String>) {
+        let (cluster, rotation) = (self.cluster, self.rotation);
+        for &dp in group {
+            // Dropping a staged copy is always safe: abort even when the journal cannot be written.
+            if let Err(j) = self.record(Event::UpdateStep { update: self.update, dp, step: Step::Aborted }) {
+                tracing::error!("{j}");
+            }
+            let answers = cluster.abort(dp).await;
+            let held: Vec<&String> = answers.values().filter_map(|r| r.as_ref().ok()).collect();
+            let kept = match held.first() {
+                Some(v) if held.iter().all(|h| h == v) => {
+                    if held.len() == answers.len() {
+                        rotation.observed_version(dp, v);
+                        format!("kept version {v}")
+                    } else {
+                        format!("kept version {v} on every rank that answered")
+                    }
+                }
+                Some(_) => format!(
+                    "its ranks answered the abort with different versions ({})",
+                    held.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", ")
+                ),
+                None => "no rank answered the abort".to_string(),
+            };
+            let down: Vec<(bool, String)> = cluster.down_in(dp).await.into_iter().flatten().collect();
+            let out = if let Some((_, why)) = down.iter().find(|(dead, _)| *dead) {
+                rotation.mark_dead(dp, why);
+                format!(" ({why}: out of rotation)")
+            } else if !down.is_empty() {
+                rotation.pull(dp, &down[0].1);
+                format!(" ({}: out of rotation)", down[0].1)
+            } else {
+                match try_reinstate(cluster, rotation, dp, self.probe, Proof::Verified, true).await {
+                    Ok(_) => String::new(),
+                    Err(why) => {
+                        // A rank that died just before the abort may be known dead only now.
+                        let dead = cluster.down_in(dp).await.into_iter().flatten().find(|(dead, _)| *dead).map(|(_, why)| why);
+                        match dead {
+                            Some(dead) => {
+                                rotation.mark_dead(dp, &dead);
+                                format!(" ({dead}: out of rotation; its probe after the abort failed: {why})")
+                            }
+                            None => {
+                                rotation.pull(dp, &format!("its probe after the abort failed: {why}"));
+                                format!(" (its probe after the abort failed: out of rotation: {why})")
+                            }
+                        }
+                    }
+                }
+            };
+            rotation.release(dp);
+            let (headline, why) = why(dp);
+            steps.push(format!("replica dp{dp}: {headline}, {kept}{out}: {why}"));
+        }
     }
 }
 
-/// Stages and verifies one replica: a description and the staged `y`.
 /// What the first replica to verify a version proved, per tp_rank: its kernel and source
 /// digests (its `y` is the update's `reference_y`). A later replica of the same version is verified against it:
 /// byte-identical digests on every rank (so its kernels read exactly the bytes that passed the
