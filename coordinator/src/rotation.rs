@@ -31,6 +31,21 @@ pub struct ReplicaState {
     pub dead: bool,
     #[serde(skip)]
     pub last_attempt: Option<Instant>,
+    /// Routed probes sent to the replica and not yet answered (see [`Rotation::drain`]).
+    #[serde(skip)]
+    pub in_flight: u32,
+}
+
+/// A routed probe on replica `dp`, counted as in flight there until dropped.
+pub struct ProbeSlot<'a> {
+    rotation: &'a Rotation,
+    pub dp: u32,
+}
+
+impl Drop for ProbeSlot<'_> {
+    fn drop(&mut self) {
+        self.rotation.with(|r| r[self.dp as usize].in_flight -= 1);
+    }
 }
 
 pub struct Rotation {
@@ -62,12 +77,42 @@ impl Rotation {
         self.with(|r| r[dp as usize].version.clone())
     }
 
-    /// The next replica in rotation (round robin) that is not in `tried`, if any serves.
+    /// The next replica in rotation (round robin) that is not in `tried`, if any serves (a probe
+    /// begun and answered at once).
+    #[cfg(test)]
     pub fn pick_except(&self, tried: &[u32]) -> Option<u32> {
-        let serving: Vec<bool> = self.with(|r| r.iter().map(|s| s.serving).collect());
-        let n = serving.len();
+        self.begin_probe(tried).map(|slot| slot.dp)
+    }
+
+    /// Picks the next replica in rotation (round robin) that is not in `tried`, and counts a
+    /// routed probe on it until the returned slot is dropped: picked and counted under one lock,
+    /// so that once [`Rotation::drain`] has seen no probe on a replica out of rotation, none
+    /// starts there.
+    pub fn begin_probe(&self, tried: &[u32]) -> Option<ProbeSlot<'_>> {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
-        (0..n).map(|i| (start + i) % n).find(|&r| serving[r] && !tried.contains(&(r as u32))).map(|r| r as u32)
+        let dp = self.with(|r| {
+            let n = r.len();
+            let dp = (0..n).map(|i| (start + i) % n).find(|&i| r[i].serving && !tried.contains(&(i as u32)))?;
+            r[dp].in_flight += 1;
+            Some(dp as u32)
+        })?;
+        Some(ProbeSlot { rotation: self, dp })
+    }
+
+    /// Waits until no routed probe runs on replica `dp` (taken out of rotation first, so that
+    /// none starts), for at most `limit`: whether it drained. A probe that outlived the limit and
+    /// meets a swap is still caught: its ranks disagree, and it is retried elsewhere.
+    pub async fn drain(&self, dp: u32, limit: std::time::Duration) -> bool {
+        let started = Instant::now();
+        loop {
+            if self.with(|r| r[dp as usize].in_flight) == 0 {
+                return true;
+            }
+            if started.elapsed() >= limit {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
     }
 
     /// Takes a replica out of rotation, with why. Returns whether it was serving.
@@ -182,5 +227,21 @@ mod tests {
         let second = r.pick_except(&[first]).unwrap();
         assert!(first != 1 && second != 1 && first != second, "{first} {second}");
         assert_eq!(r.pick_except(&[first, second]), None);
+    }
+
+    #[tokio::test]
+    async fn a_replica_drains_once_its_routed_probes_are_answered() {
+        let r = Rotation::new(vec!["a".into(), "a".into()]);
+        let on_0 = r.begin_probe(&[1]).unwrap();
+        let on_1 = r.begin_probe(&[0]).unwrap();
+        assert_eq!((on_0.dp, on_1.dp, r.state(0).in_flight, r.state(1).in_flight), (0, 1, 1, 1));
+        r.take_for_update(0, true);
+        assert!(r.begin_probe(&[1]).is_none(), "no probe starts on a replica out of rotation");
+        assert!(!r.drain(0, std::time::Duration::from_millis(20)).await, "a probe still runs on dp0");
+        drop(on_0);
+        assert!(r.drain(0, std::time::Duration::ZERO).await);
+        assert_eq!(r.state(1).in_flight, 1, "dp1's probe is its own");
+        drop(on_1);
+        assert_eq!(r.state(1).in_flight, 0);
     }
 }

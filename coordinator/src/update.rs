@@ -2,14 +2,17 @@
 //! into rotation: the I/O around the commit protocol of [`crate::rollout`].
 //!
 //! Every replica (TP group) of the update stages the new version at once, on every rank into
-//! shadow buffers through the same loader pipeline, while it keeps serving in rotation. Then
-//! one batch at a time, in order: each replica of the batch is taken out of probe rotation
-//! (when another replica can serve) and verified (round trips, probes against the reference,
-//! the group agreeing on `y`, and the same `y` as replicas already updated), and the decision is
-//! journaled: abort (any failure: every rank drops what it staged) or commit (every rank is
-//! driven to the new version, and an abort is never reported after it). A replica returns to
-//! rotation only once every rank confirmed one version and a probe passed. An update that ends
-//! early aborts what the replicas it did not reach staged.
+//! shadow buffers through the same loader pipeline, and verifies what it staged (round trips,
+//! probes: the first batch against the reference, a later replica as byte-identical to the
+//! first verified one as soon as that one proved the version), all while it keeps serving its
+//! active weights in rotation. Then one batch at a time, in order: the batch must agree on `y`
+//! with itself and with the replicas already updated, and the decision is journaled: abort (any
+//! failure: every rank drops what it staged) or commit. A committed replica leaves probe
+//! rotation (when another replica can serve) for the swap alone, once the routed probes it was
+//! serving are answered; every rank is driven to the new version (an abort is never reported
+//! after it), and the replica returns to rotation only once every rank confirmed one version
+//! and a probe passed. An update that ends early aborts what the replicas it did not reach
+//! staged.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -84,9 +87,12 @@ pub const NO_REPLICA: &str = "no replica in rotation";
 pub async fn routed_probe(cluster: &Cluster, rotation: &Rotation, spec: ProbeSpec) -> pb::RoutedProbeResult {
     let mut tried: Vec<u32> = Vec::new();
     let mut errors: Vec<String> = Vec::new();
-    while let Some(replica) = rotation.pick_except(&tried) {
+    while let Some(slot) = rotation.begin_probe(&tried) {
+        let replica = slot.dp;
         tried.push(replica);
         let results = cluster.probe_in(Some(replica), (spec.tokens as u32, spec.latents as u32, spec.seed), false, true).await;
+        // Answered: a swap waiting for this replica to drain may go on.
+        drop(slot);
         match judge_probe(&results) {
             Ok((version, _)) => {
                 rotation.observed_version(replica, &version);
@@ -371,16 +377,22 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         receivers.insert(dp, rx);
         senders.push((dp, tx));
     }
-    let stager = roll.stage_all(&source, senders, &first_batch, limit, &stopping);
+    // What the first verified replica proved, for the later ones to verify against.
+    let (proof_tx, proof_rx) = tokio::sync::watch::channel(None::<VerifiedVersion>);
+    let stager = roll.stage_all(&source, senders, &first_batch, limit, &stopping, proof_rx);
     let process = async {
+        let proof_tx = proof_tx;
         let mut reference_y: Option<String> = None;
         // What the first verified replica proved; the later ones are checked against it.
         let mut verified: Option<VerifiedVersion> = None;
         let mut rest = batches.iter();
         let ended = 'batches: loop {
             let Some(group) = rest.next() else { break 'batches None };
-            let staged = roll.verify_batch(group, &mut receivers, verified.as_ref()).await;
+            let staged = roll.staged_batch(group, &mut receivers).await;
             let (decided, failure) = roll.decide_batch(group, &staged, &mut reference_y, &mut verified).await;
+            if proof_tx.borrow().is_none() && verified.is_some() {
+                proof_tx.send_replace(verified.clone());
+            }
             let undecided: Vec<u32> = group.iter().copied().filter(|dp| !decided.contains(dp)).collect();
             if let Some((failed, e)) = &failure {
                 let (failed, e) = (*failed, e.clone());
@@ -400,6 +412,8 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
                 break 'batches Some((stuck[0], format!("replicas {stuck:?}: commit decided, not confirmed by every rank")));
             }
         };
+        // Replicas still waiting for a proof learn that none will come.
+        drop(proof_tx);
         if let Some((failed, _)) = &ended {
             stopping.store(true, Ordering::SeqCst);
             roll.drop_unreached(std::mem::take(&mut receivers), *failed, &mut steps).await;
@@ -419,12 +433,16 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
     finish(true, new_version, steps, pending_commits)
 }
 
+/// How long a replica taken out of rotation for its swap waits for the routed probes it was
+/// serving (a probe still running then is caught if it meets the swap: its ranks disagree).
+const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// How one replica's stage ended.
 enum StageOutcome {
     /// The update ended before the replica's turn to stage came.
     NotStarted,
-    /// Its seconds of staging, or why it failed.
-    Done(Result<f64, VerifyFailure>),
+    /// What it staged and verified, or why staging or verification failed.
+    Done(Result<Staged, VerifyFailure>),
 }
 
 /// One rolling update past its validation: what each of its steps needs.
@@ -462,8 +480,11 @@ impl Roll<'_> {
 
     /// Stages every replica at once (at most `limit` at a time), beside its active weights and
     /// serving them: each rank's shadow lies beside its own active weights, so staging every
-    /// replica together takes no more memory per rank than staging one at a time. Each outcome
-    /// goes to its replica's receiver; once `stopping` is set, no further stage starts.
+    /// replica together takes no more memory per rank than staging one at a time. Each replica
+    /// then verifies what it staged, still serving: the first batch against the reference, a
+    /// later replica against what `proof` brings (the first verified replica's digests; a
+    /// closed channel: the update ended first). Each outcome goes to its replica's receiver;
+    /// once `stopping` is set, no further stage starts.
     async fn stage_all(
         &self,
         source: &pb::LoadSource,
@@ -471,46 +492,57 @@ impl Roll<'_> {
         first_batch: &[u32],
         limit: usize,
         stopping: &AtomicBool,
+        proof: tokio::sync::watch::Receiver<Option<VerifiedVersion>>,
     ) {
         let permits = tokio::sync::Semaphore::new(limit);
         futures_util::future::join_all(replicas.into_iter().map(|(dp, tx)| {
             let permits = &permits;
             // The first batch prepares the reference while it stages (later ones are verified
             // against what the first proved).
-            let reference = first_batch.contains(&dp).then_some(self.probe);
+            let first = first_batch.contains(&dp);
+            let reference = first.then_some(self.probe);
+            let mut proof = proof.clone();
             async move {
-                let _permit = permits.acquire().await;
-                let outcome = if stopping.load(Ordering::SeqCst) {
-                    StageOutcome::NotStarted
-                } else {
-                    // Staged beside its active weights, the replica keeps serving them; it leaves
-                    // rotation only to be verified and swapped.
-                    self.rotation.take_for_update(dp, false);
-                    StageOutcome::Done(stage_replica(self.cluster, dp, source, &self.new_version, reference).await)
+                let permit = permits.acquire().await;
+                if stopping.load(Ordering::SeqCst) {
+                    let _ = tx.send(StageOutcome::NotStarted);
+                    return;
+                }
+                // Staged and verified beside its active weights, the replica keeps serving
+                // them; it leaves rotation only to be swapped.
+                self.rotation.take_for_update(dp, false);
+                let staged = stage_replica(self.cluster, dp, source, &self.new_version, reference).await;
+                // The limit bounds staging; verifying (or waiting to) holds no permit.
+                drop(permit);
+                let outcome = match staged {
+                    Err(e) => Err(e),
+                    Ok(stage_s) if first => verify_staged(self.cluster, dp, &self.new_version, self.probe, None, stage_s).await,
+                    Ok(stage_s) => match proof.wait_for(Option::is_some).await.map(|p| p.clone()) {
+                        Ok(p) => verify_staged(self.cluster, dp, &self.new_version, self.probe, p.as_ref(), stage_s).await,
+                        Err(_) => Err(unreachable_rank("the update ended before the version was proved")),
+                    },
                 };
-                let _ = tx.send(outcome);
+                let _ = tx.send(StageOutcome::Done(outcome));
             }
         }))
         .await;
     }
 
-    /// Waits for each replica of `group` to have staged, then verifies what it staged.
-    async fn verify_batch(
+    /// What each replica of `group` staged and verified (waiting for it to end).
+    async fn staged_batch(
         &self,
         group: &[u32],
         receivers: &mut BTreeMap<u32, tokio::sync::oneshot::Receiver<StageOutcome>>,
-        verified: Option<&VerifiedVersion>,
     ) -> Vec<Result<Staged, VerifyFailure>> {
-        let waits: Vec<_> = group.iter().map(|dp| (*dp, receivers.remove(dp))).collect();
-        futures_util::future::join_all(waits.into_iter().map(|(dp, rx)| async move {
-            let stage_s = match rx {
+        let waits: Vec<_> = group.iter().map(|dp| receivers.remove(dp)).collect();
+        futures_util::future::join_all(waits.into_iter().map(|rx| async move {
+            match rx {
                 Some(rx) => match rx.await {
-                    Ok(StageOutcome::Done(r)) => r?,
-                    _ => return Err(unreachable_rank("its stage did not run")),
+                    Ok(StageOutcome::Done(r)) => r,
+                    _ => Err(unreachable_rank("its stage did not run")),
                 },
-                None => return Err(unreachable_rank("its stage did not run")),
-            };
-            verify_staged(self.cluster, self.rotation, dp, &self.new_version, self.probe, verified, stage_s).await
+                None => Err(unreachable_rank("its stage did not run")),
+            }
         }))
         .await
     }
@@ -585,6 +617,14 @@ impl Roll<'_> {
         pending_commits: &mut BTreeMap<u32, String>,
     ) -> Vec<u32> {
         let (cluster, rotation, new_version) = (self.cluster, self.rotation, &self.new_version);
+        // Out of rotation for the swap alone (when another replica can serve), once the routed
+        // probes it was serving are answered, so that no routed probe spans the swap.
+        let out_started = Instant::now();
+        for &dp in decided {
+            rotation.take_for_update(dp, cluster.dp > 1);
+        }
+        let drained = futures_util::future::join_all(decided.iter().map(|&dp| rotation.drain(dp, DRAIN_LIMIT))).await;
+        let drain_s = out_started.elapsed().as_secs_f64();
         let commit_started = Instant::now();
         let statuses =
             futures_util::future::join_all(decided.iter().map(|&dp| drive_commit(cluster, dp, new_version, self.commit_timeout))).await;
@@ -593,6 +633,11 @@ impl Roll<'_> {
         for (&dp, status) in decided.iter().zip(statuses) {
             let r = &staged[group.iter().position(|g| *g == dp).unwrap_or(0)];
             let detail = r.as_ref().map(|s| s.detail.as_str()).unwrap_or_default();
+            let drained = if drained.get(decided.iter().position(|d| *d == dp).unwrap_or(0)).copied().unwrap_or(true) {
+                format!("its routed probes answered in {drain_s:.2} s")
+            } else {
+                format!("routed probes still running after {drain_s:.2} s")
+            };
             match status {
                 CommitStatus::Done => {
                     crate::metrics::metrics().update_replica_done();
@@ -612,7 +657,7 @@ impl Roll<'_> {
                     };
                     tracing::info!(replica = dp, version = %new_version, commit_s, reinstate_s, "replica swapped to the new version");
                     steps.push(format!(
-                        "replica dp{dp}: {detail}; swapped to {new_version} in {commit_s:.2} s, probed back in {reinstate_s:.2} s{back}"
+                        "replica dp{dp}: {detail}; out of rotation ({drained}), swapped to {new_version} in {commit_s:.2} s, probed back in {reinstate_s:.2} s{back}"
                     ));
                 }
                 CommitStatus::Stuck { ranks } => {
@@ -779,7 +824,7 @@ struct Staged {
 
 /// Stages replica `dp` while it serves its active weights: its seconds of staging. With
 /// `reference`, its ranks prepare that probe's reference while they stage, so that the
-/// verification probe afterwards, out of rotation, runs only the kernel pass against it.
+/// verification probe afterwards runs only the kernel pass against it.
 async fn stage_replica(
     cluster: &Cluster,
     dp: u32,
@@ -798,12 +843,11 @@ async fn stage_replica(
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// Takes a staged replica out of rotation (when another replica can serve) and verifies what
-/// it staged: against the reference when it is the first of its version (`verified` is
-/// `None`), else as byte-identical to the replica that was.
+/// Verifies what replica `dp` staged, while it serves its active weights: against the
+/// reference when it is the first of its version (`verified` is `None`), else as
+/// byte-identical to the replica that was.
 async fn verify_staged(
     cluster: &Cluster,
-    rotation: &Rotation,
     dp: u32,
     new_version: &str,
     probe: ProbeSpec,
@@ -811,7 +855,6 @@ async fn verify_staged(
     stage_s: f64,
 ) -> Result<Staged, VerifyFailure> {
     use VerifyRule::*;
-    rotation.take_for_update(dp, cluster.dp > 1);
     // Verify the staged version: round trips and versions, then probes and agreement on y.
     let t = Instant::now();
     let reports = cluster.reports_in(Some(dp), true).await;
@@ -878,8 +921,8 @@ async fn verify_staged(
     }
     let y = ys.first().cloned().unwrap_or_default();
     let how = match verified {
-        None => format!("verified against the reference prepared while staging (round trips, probes, y {y})"),
-        Some(v) => format!("verified as byte-identical to dp{} (round trips, digests of every rank, y {y})", v.dp),
+        None => format!("verified against the reference prepared while staging, in rotation (round trips, probes, y {y})"),
+        Some(v) => format!("verified as byte-identical to dp{}, in rotation (round trips, digests of every rank, y {y})", v.dp),
     };
     Ok(Staged {
         detail: format!("staged in {stage_s:.2} s, {how} in {:.2} s (reports {report_s:.2} s, probe {probe_s:.2} s)", report_s + probe_s),

@@ -212,6 +212,18 @@ fn a_version_is_verified_against_the_reference_once_and_later_replicas_by_identi
     let steps = doc["update"]["steps"].to_string();
     assert!(steps.contains("replica dp0: staged in") && steps.contains("verified against the reference"), "{steps}");
     assert!(steps.contains("verified as byte-identical to dp0"), "{steps}");
+    // Each replica is verified while it serves, and leaves rotation for its swap alone, once
+    // the routed probes it was serving are answered.
+    for dp in 0..2 {
+        let step = doc["update"]["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|s| s.as_str())
+            .find(|s| s.starts_with(&format!("replica dp{dp}:")))
+            .unwrap();
+        assert!(step.contains(", in rotation (round trips") && step.contains("; out of rotation (its routed probes answered in"), "{step}");
+    }
     let v = versions(&doc["report"]);
     assert!(v.iter().all(|x| *x == v[0]), "{v:?}");
     // After the update each rank reports its staging time, not the launch's load.
