@@ -41,6 +41,10 @@ pub struct RankRow {
     /// How the rank's active weights were loaded: `real`, `dummy` or `stage` (empty: unknown).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub load_path: String,
+    /// The rank holds a spare set of buffers its next stage reloads into
+    /// (`--keep-staging-buffers`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub spare_buffers: bool,
     /// Tensor name -> digest (not printed in the table; used by the rules and `--json`).
     pub kernel_tensors: BTreeMap<String, String>,
     /// Set when the worker failed (exited, stopped answering, or an RPC failed).
@@ -136,6 +140,7 @@ pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: String) -> RankRow {
         probe: None,
         load_seconds: 0.0,
         load_path: String::new(),
+        spare_buffers: false,
         kernel_tensors: BTreeMap::new(),
         failure: Some(failure),
         probe_error: None,
@@ -167,6 +172,7 @@ pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> 
         probe: probe.map(ProbeCell::from),
         load_seconds: r.load_seconds,
         load_path: r.load_path.clone(),
+        spare_buffers: r.spare_buffers,
         kernel_tensors: r.kernel_tensors.iter().map(|t| (t.name.clone(), t.digest.clone())).collect(),
         failure: None,
         probe_error: None,

@@ -23,6 +23,7 @@ class RankRow:
     load_seconds: float
     load_path: str
     verdict: str
+    spare_buffers: bool
     failure: Optional[str]
 
     @property
@@ -45,6 +46,7 @@ class RankRow:
             load_seconds=float(d.get("load_seconds", 0.0)),
             load_path=d.get("load_path", ""),
             verdict=d.get("verdict", ""),
+            spare_buffers=bool(d.get("spare_buffers", False)),
             failure=d.get("failure"),
         )
 

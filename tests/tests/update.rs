@@ -252,9 +252,10 @@ fn a_first_replica_that_staged_wrong_layouts_fails_its_staged_round_trip() {
     assert_eq!(versions(&cluster.report()), before, "every rank keeps A");
 }
 
-/// `--keep-staging-buffers`: each rank keeps the buffers an update leaves, and the next update
-/// stages into them (`restage`), byte for byte what a fresh stage gives; without the flag every
-/// stage gets fresh buffers.
+/// `--keep-staging-buffers`: each rank prepares a spare set of buffers after the launch (in
+/// the background) and keeps the buffers an update leaves, and every stage, the first one
+/// included, reloads into them (`restage`), byte for byte what a fresh stage gives; without the
+/// flag every stage gets fresh buffers.
 #[test]
 fn kept_staging_buffers_are_restaged_into_with_the_same_bytes() {
     let tmp = tempfile::tempdir().unwrap();
@@ -265,25 +266,38 @@ fn kept_staging_buffers_are_restaged_into_with_the_same_bytes() {
     let paths = |r: &Value| -> Vec<String> {
         r["ranks"].as_array().unwrap().iter().map(|r| r["load_path"].as_str().unwrap().to_string()).collect()
     };
+    let spares = |r: &Value| -> Vec<bool> { r["ranks"].as_array().unwrap().iter().map(|r| r["spare_buffers"] == true).collect() };
     let update = |cluster: &Served, to: &Path| {
         let doc = cluster.update_doc(to);
         assert_eq!(doc["ok"], true, "{doc:#}");
         cluster.report()
     };
     let kept = Served::on_checkpoint("2", "2", &a, &root, &["--keep-staging-buffers"]);
-    let launched = kept.report();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let launched = loop {
+        let r = kept.report();
+        if spares(&r).iter().all(|s| *s) {
+            break r;
+        }
+        assert!(std::time::Instant::now() < deadline, "the spare buffers were never prepared: {:?}", spares(&r));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
     let on_b = update(&kept, &b);
-    assert!(paths(&on_b).iter().all(|p| p == "stage"), "nothing kept yet: {:?}", paths(&on_b));
+    assert!(paths(&on_b).iter().all(|p| p == "restage"), "the first update restages into the spare: {:?}", paths(&on_b));
+    assert!(spares(&on_b).iter().all(|s| *s), "the replaced version is the next spare: {:?}", spares(&on_b));
     let back = update(&kept, &a);
     assert!(paths(&back).iter().all(|p| p == "restage"), "{:?}", paths(&back));
     assert_eq!(rank_digests(&back), rank_digests(&launched), "restaged A is the launched A");
     let again = update(&kept, &b);
-    assert_eq!(rank_digests(&again), rank_digests(&on_b), "restaged B is the freshly staged B");
+    assert_eq!(rank_digests(&again), rank_digests(&on_b), "restaged B is B again");
     assert_eq!(again["ok"], true, "{again:#}");
     drop(kept);
 
     let fresh = Served::on_checkpoint("2", "2", &a, &root, &[]);
-    update(&fresh, &b);
+    let fresh_b = update(&fresh, &b);
+    assert!(paths(&fresh_b).iter().all(|p| p == "stage"), "{:?}", paths(&fresh_b));
+    assert_eq!(rank_digests(&fresh_b), rank_digests(&on_b), "a fresh stage of B is the restaged B");
     let back = update(&fresh, &a);
     assert!(paths(&back).iter().all(|p| p == "stage"), "{:?}", paths(&back));
+    assert!(spares(&back).iter().all(|s| !*s), "nothing is kept without the flag: {:?}", spares(&back));
 }

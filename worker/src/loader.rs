@@ -302,6 +302,24 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         Ok(self.assemble(source, layers, start.elapsed(), 1))
     }
 
+    /// [`RankLoader::load`] one layer after another, asking `cancelled` before each layer:
+    /// `None` (and what was loaded freed) once it says so.
+    pub fn load_unless(&self, source: &LoadSource, cancelled: &dyn Fn() -> bool) -> Result<Option<RankWeights<B>>, LoadError>
+    where
+        B::Buffer: Send,
+    {
+        self.check_source(source)?;
+        let start = Instant::now();
+        let mut layers = Vec::with_capacity(self.geometry.layers);
+        for l in 0..self.geometry.layers {
+            if cancelled() {
+                return Ok(None);
+            }
+            layers.push(self.load_layer(source, l, LayerScratch::default())?);
+        }
+        Ok(Some(self.assemble(source, layers, start.elapsed(), 1)))
+    }
+
     /// Replays the same pipeline into the existing buffers: every kernel buffer and scratch
     /// buffer of `weights` is reused. On error the rank holds no weights (it never serves a
     /// mix of versions); the error says which tensor failed.

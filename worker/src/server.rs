@@ -158,6 +158,44 @@ fn keep_or_drop(st: &mut State, take: impl FnOnce(&mut State) -> Option<RankWeig
     }
 }
 
+/// With `--keep-staging-buffers`, prepares after a load the spare set of buffers that the next
+/// stage reloads into: a second load of the active version, on the background pool below
+/// serving, so that even the first update restages into memory already faulted in rather
+/// than faulting in a whole set while the replica serves (the rank holds two sets from then
+/// on, as it does after any update with the flag). A stage or abort that begins meanwhile
+/// cancels it at the next layer, and it is kept only if no stage came: the rank never keeps
+/// more than two sets.
+fn prepare_spare(
+    state: &Mutex<State>,
+    backend: &AnyBackend,
+    source: &LoadSource,
+    (tp, rank, dp_rank): (usize, usize, usize),
+    rule: ScaleRule,
+    epoch: u64,
+) {
+    let still_wanted = || {
+        let st = lock(state);
+        st.stage_epoch == epoch && st.spare.is_none() && st.shadow.is_none()
+    };
+    let started = Instant::now();
+    let prepared = RankLoader::new(backend, source.config(), tp, rank, rule)
+        .and_then(|loader| crate::background::run(|| loader.load_unless(source, &|| !still_wanted())));
+    match prepared {
+        Ok(Some(w)) => {
+            let mut st = lock(state);
+            if st.stage_epoch == epoch && st.spare.is_none() && st.shadow.is_none() {
+                st.spare = Some(w);
+                drop(st);
+                tracing::info!(tp_rank = rank, replica = dp_rank, seconds = started.elapsed().as_secs_f64(), "prepared the spare buffers");
+                return;
+            }
+            tracing::info!(tp_rank = rank, replica = dp_rank, "spare buffers dropped: a stage began while they were prepared");
+        }
+        Ok(None) => tracing::info!(tp_rank = rank, replica = dp_rank, "spare buffers not prepared: a stage began first"),
+        Err(e) => tracing::warn!(tp_rank = rank, replica = dp_rank, "spare buffers not prepared: {e}"),
+    }
+}
+
 /// The active weights and their source, or the staged ones.
 fn weights_of(st: &State, shadow: bool) -> Result<(&RankWeights<AnyBackend>, &LoadSource), Status> {
     if shadow {
@@ -308,6 +346,9 @@ impl WorkerService {
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let (mut reference_s, mut round_trip_s) = (0.0, 0.0);
+            // Set when this load should be followed by preparing the spare buffers: the stage
+            // epoch it saw, and its source.
+            let mut spare_after = None;
             let done = std::sync::atomic::AtomicUsize::new(0);
             let progress = |_layer: usize| {
                 let n = done.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
@@ -406,7 +447,10 @@ impl WorkerService {
                         st.load_seconds = seconds;
                         st.load_path = path;
                         if let Some(p) = st.plan.as_mut() {
-                            p.source = source;
+                            p.source = source.clone();
+                        }
+                        if st.spare.is_none() && st.plan.as_ref().is_some_and(|p| p.keep_staging_buffers) {
+                            spare_after = Some((st.stage_epoch, source.clone()));
                         }
                     }
                     drop(st);
@@ -421,6 +465,11 @@ impl WorkerService {
                 Err(status) => {
                     let _ = tx.blocking_send(Err(status));
                 }
+            }
+            // The load's stream ends here; the spare buffers are prepared after it.
+            drop(tx);
+            if let Some((epoch, source)) = spare_after {
+                prepare_spare(&state, backend, &source, (tp, rank, dp_rank), rule, epoch);
             }
         });
         Ok(Box::pin(ReceiverStream::new(rx)))
@@ -701,6 +750,7 @@ impl Worker for WorkerService {
                         (Some(staged), true) => staged.path.into(),
                         _ => st.load_path.into(),
                     },
+                    spare_buffers: st.spare.is_some(),
                 }))
             };
             // The round trip of a staged version is background work too.

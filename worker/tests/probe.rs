@@ -214,3 +214,21 @@ fn reference_layers_read_into_kept_buffers_equal_fresh_reads() {
         assert!(l0.wq_b != l1.wq_b);
     }
 }
+
+/// `load_unless` (the spare buffers a rank prepares after its launch): the same weights as a
+/// load while nothing cancels it, and nothing once something does, asked before every layer.
+#[test]
+fn a_cancellable_load_gives_the_loads_weights_or_nothing() {
+    let source = dummy(Preset::Tiny, 3, false, 22);
+    let loader = RankLoader::new(&CpuBackend, source.config(), 2, 0, ScaleRule::Rceil).unwrap();
+    let whole = loader.load(&source).unwrap();
+    let asked = std::sync::atomic::AtomicUsize::new(0);
+    let spare = loader.load_unless(&source, &|| asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == usize::MAX).unwrap().unwrap();
+    assert_eq!(asked.into_inner(), 3, "asked before each of the 3 layers");
+    assert_eq!(spare.kernel_rank_digest(), whole.kernel_rank_digest());
+    assert_eq!(spare.source_rank_digest(), whole.source_rank_digest());
+    let asked = std::sync::atomic::AtomicUsize::new(0);
+    let cancelled = loader.load_unless(&source, &|| asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 1).unwrap();
+    assert!(cancelled.is_none(), "cancelled before layer 1");
+    assert_eq!(asked.into_inner(), 2);
+}

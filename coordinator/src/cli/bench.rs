@@ -44,7 +44,8 @@ pub struct BenchUpdateArgs {
     /// first touched after a reclaim costs a host fault), so one is a noisy yardstick.
     #[arg(long, default_value_t = 3)]
     launches: usize,
-    /// Launch with `--keep-staging-buffers` (the second update stages into what the first left).
+    /// Launch with `--keep-staging-buffers` (every update, the first included, stages into a
+    /// spare set of buffers; the bench waits for the ranks to prepare it after the launch).
     #[arg(long)]
     keep_staging_buffers: bool,
     /// Where the two checkpoints are synthesized (kept for later runs).
@@ -281,6 +282,24 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
             serde_json::from_str::<serde_json::Value>(&r.json)?
         };
         loads.insert(0, report["timings"]["load"].as_f64().context("the launch report has no load time")?);
+        // With kept buffers, every rank prepares its spare set after the launch, below serving:
+        // wait for it, as an operator would, so that the first update restages too.
+        if a.keep_staging_buffers {
+            let waited = Instant::now();
+            loop {
+                let mut c = client.clone();
+                let req =
+                    orchestrator_worker::auth::request(pb::ClusterReportRequest { probe: false }, Duration::from_secs(60), Some(&token));
+                let r: serde_json::Value = serde_json::from_str(&c.report(req).await?.into_inner().json)?;
+                let ranks = r["ranks"].as_array().context("the report has no ranks")?;
+                if ranks.iter().all(|r| r["spare_buffers"] == true) {
+                    eprintln!("every rank prepared its spare buffers {:.2} s after the launch", waited.elapsed().as_secs_f64());
+                    break;
+                }
+                anyhow::ensure!(waited.elapsed() < Duration::from_secs(120), "the ranks' spare buffers were not prepared within 120 s");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
         let load_s = percentile(&loads.iter().map(|s| s * 1e3).collect::<Vec<_>>(), 0.5) / 1e3;
         let phase = Duration::from_secs_f64(a.seconds);
         let cap = capacity(&client, Some(&token), a.probe, a.dp as usize, phase).await;
