@@ -59,9 +59,10 @@ pub struct PlanArgs {
     /// Every worker writes its kernel-visible tensors to DIR/dp{D}/rank{R}.safetensors.
     #[arg(long, value_name = "DIR")]
     dump: Option<PathBuf>,
-    /// Every rank keeps the buffers an update leaves (the version it replaced) for the next
-    /// update to stage into, instead of freeing them: each rank then holds a second set of
-    /// weights between updates, and the next stage reloads into memory already in place.
+    /// Every rank prepares a spare set of buffers after its load (in the background) and keeps
+    /// the buffers an update leaves (the version it replaced), for every update, the first one
+    /// included, to stage into instead of faulting in fresh memory: each rank then holds a
+    /// second set of weights from the launch on.
     #[arg(long)]
     keep_staging_buffers: bool,
     /// Print the report as one JSON document.
