@@ -618,12 +618,17 @@ impl Roll<'_> {
     ) -> Vec<u32> {
         let (cluster, rotation, new_version) = (self.cluster, self.rotation, &self.new_version);
         // Out of rotation for the swap alone (when another replica can serve), once the routed
-        // probes it was serving are answered, so that no routed probe spans the swap.
+        // probes it was serving are answered, so that no routed probe spans the swap. A lone
+        // replica swaps while it serves (its probes are never drained: new ones keep coming).
         let out_started = Instant::now();
+        let out = cluster.dp > 1;
         for &dp in decided {
-            rotation.take_for_update(dp, cluster.dp > 1);
+            rotation.take_for_update(dp, out);
         }
-        let drained = futures_util::future::join_all(decided.iter().map(|&dp| rotation.drain(dp, DRAIN_LIMIT))).await;
+        let drained = match out {
+            true => futures_util::future::join_all(decided.iter().map(|&dp| rotation.drain(dp, DRAIN_LIMIT))).await,
+            false => vec![true; decided.len()],
+        };
         let drain_s = out_started.elapsed().as_secs_f64();
         let commit_started = Instant::now();
         let statuses =
@@ -633,10 +638,10 @@ impl Roll<'_> {
         for (&dp, status) in decided.iter().zip(statuses) {
             let r = &staged[group.iter().position(|g| *g == dp).unwrap_or(0)];
             let detail = r.as_ref().map(|s| s.detail.as_str()).unwrap_or_default();
-            let drained = if drained.get(decided.iter().position(|d| *d == dp).unwrap_or(0)).copied().unwrap_or(true) {
-                format!("its routed probes answered in {drain_s:.2} s")
-            } else {
-                format!("routed probes still running after {drain_s:.2} s")
+            let drained = match (out, drained.get(decided.iter().position(|d| *d == dp).unwrap_or(0)).copied().unwrap_or(true)) {
+                (false, _) => "the only replica: serving through the swap".to_string(),
+                (true, true) => format!("out of rotation (its routed probes answered in {drain_s:.2} s)"),
+                (true, false) => format!("out of rotation (routed probes still running after {drain_s:.2} s)"),
             };
             match status {
                 CommitStatus::Done => {
@@ -657,7 +662,7 @@ impl Roll<'_> {
                     };
                     tracing::info!(replica = dp, version = %new_version, commit_s, reinstate_s, "replica swapped to the new version");
                     steps.push(format!(
-                        "replica dp{dp}: {detail}; out of rotation ({drained}), swapped to {new_version} in {commit_s:.2} s, probed back in {reinstate_s:.2} s{back}"
+                        "replica dp{dp}: {detail}; {drained}, swapped to {new_version} in {commit_s:.2} s, probed back in {reinstate_s:.2} s{back}"
                     ));
                 }
                 CommitStatus::Stuck { ranks } => {

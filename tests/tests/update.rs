@@ -20,6 +20,12 @@ fn rolling_update_with_probes(tp: &str, dp: &str, max_unavailable: &str) {
     assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
     let update: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(update["ok"], true);
+    // A lone replica swaps while it serves (there is nothing to drain it for); others leave
+    // rotation for their swap.
+    let swap = if dp == "1" { "the only replica: serving through the swap" } else { "out of rotation (its routed probes answered in" };
+    for step in update["update"]["steps"].as_array().unwrap().iter().filter_map(|s| s.as_str()).filter(|s| s.starts_with("replica dp")) {
+        assert!(step.contains(swap), "{step}");
+    }
     let probes = load.wait_with_output().unwrap();
     let probes: Value =
         serde_json::from_slice(&probes.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&probes.stdout)));
