@@ -173,17 +173,15 @@ fn prepare_spare(
     rule: ScaleRule,
     epoch: u64,
 ) {
-    let still_wanted = || {
-        let st = lock(state);
-        st.stage_epoch == epoch && st.spare.is_none() && st.shadow.is_none()
-    };
+    // No stage or abort since the load, and nothing staged or kept meanwhile.
+    let wanted = |st: &State| st.stage_epoch == epoch && st.spare.is_none() && st.shadow.is_none();
     let started = Instant::now();
     let prepared = RankLoader::new(backend, source.config(), tp, rank, rule)
-        .and_then(|loader| crate::background::run(|| loader.load_unless(source, &|| !still_wanted())));
+        .and_then(|loader| crate::background::run(|| loader.load_unless(source, &|| !wanted(&lock(state)))));
     match prepared {
         Ok(Some(w)) => {
             let mut st = lock(state);
-            if st.stage_epoch == epoch && st.spare.is_none() && st.shadow.is_none() {
+            if wanted(&st) {
                 st.spare = Some(w);
                 drop(st);
                 tracing::info!(tp_rank = rank, replica = dp_rank, seconds = started.elapsed().as_secs_f64(), "prepared the spare buffers");
