@@ -45,22 +45,16 @@ pub struct WeightView<'a> {
 }
 
 impl WeightView<'_> {
-    /// The scale byte of row `n`, 32-column block `kb`.
+    /// The scale byte of row `n`, 32-column block `kb` (where [`WeightView::scale_run`] puts it).
     #[inline]
     pub fn scale(&self, n: usize, kb: usize) -> u8 {
-        let c = self.k / BLOCK;
-        match self.scales {
-            ScaleView::RowMajor(s) => s[n * c + kb],
-            ScaleView::Swizzled128x4(s) => s[swizzle_offset(n, kb, c)],
-            ScaleView::PackedUe8m0 { bytes, group, rows_per_group } => {
-                bytes[((group * (c / 4) + kb / 4) * rows_per_group + n) * 4 + kb % 4]
-            }
-        }
+        let (bytes, at, step) = self.scale_run(n & !15, kb);
+        bytes[at + (n & 15) * step]
     }
 
     /// The scales of rows `n0 .. n0 + 16` of block `kb`, for `n0` a multiple of 16: the bytes
     /// they lie in, row `n0`'s offset and the step from one row to the next (every layout
-    /// keeps 16 such rows evenly spaced).
+    /// keeps 16 such rows evenly spaced). The one place each layout's addresses are written.
     #[inline]
     fn scale_run(&self, n0: usize, kb: usize) -> (&[u8], usize, usize) {
         debug_assert!(n0.is_multiple_of(16));
