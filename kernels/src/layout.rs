@@ -28,14 +28,44 @@ fn check_len(what: &str, got: usize, want: usize) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// Swizzles a row-major `[m, c]` scale into F8_128x4 order (padding is zero).
+/// Offset of row `r` of a 128-row tile inside each 512-byte block of the tile (the block of
+/// scale columns `4q .. 4q + 4`): `(r % 32) * 16 + (r / 32) * 4`, the row part of
+/// [`swizzle_offset`]. A row's four bytes of one block are contiguous there.
+#[inline]
+fn row_in_block(r: usize) -> usize {
+    (r % 32) * 16 + (r / 32) * 4
+}
+
+/// Bytes of one block of a swizzle tile: 128 rows x 4 scale columns.
+const BLOCK_BYTES: usize = SWIZZLE_ROWS * SWIZZLE_COLS;
+
+/// Bytes of one 128-row tile of a swizzled `[m, c]` scale: `ceil(c / 4)` blocks.
+fn tile_bytes(c: usize) -> usize {
+    c.div_ceil(SWIZZLE_COLS) * BLOCK_BYTES
+}
+
+/// Swizzles a row-major `[m, c]` scale into F8_128x4 order (padding is zero): each row's
+/// columns `4q .. 4q + 4` move as one 4-byte piece to block `q` of the row's tile, at
+/// [`row_in_block`] (so every byte lands at its [`swizzle_offset`]).
 pub fn swizzle_128x4(scale: &[u8], m: usize, c: usize, dst: &mut Vec<u8>) -> Result<(), KernelError> {
     check_len("scale to swizzle", scale.len(), m * c)?;
     dst.clear();
     dst.resize(swizzled_len(m, c), 0);
-    for (i, row) in scale.chunks_exact(c.max(1)).enumerate().take(m) {
-        for (j, &b) in row.iter().enumerate() {
-            dst[swizzle_offset(i, j, c)] = b;
+    if c == 0 {
+        return Ok(());
+    }
+    let full = c / SWIZZLE_COLS;
+    for (tile, dst_tile) in scale.chunks(SWIZZLE_ROWS * c).zip(dst.chunks_exact_mut(tile_bytes(c))) {
+        for (r, row) in tile.chunks_exact(c).enumerate() {
+            let at = row_in_block(r);
+            let quads = row.chunks_exact(SWIZZLE_COLS);
+            let rest = quads.remainder();
+            for (q, quad) in quads.enumerate() {
+                dst_tile[q * BLOCK_BYTES + at..][..SWIZZLE_COLS].copy_from_slice(quad);
+            }
+            if !rest.is_empty() {
+                dst_tile[full * BLOCK_BYTES + at..][..rest.len()].copy_from_slice(rest);
+            }
         }
     }
     Ok(())
@@ -47,20 +77,37 @@ pub fn unswizzle_128x4(swizzled: &[u8], m: usize, c: usize, dst: &mut Vec<u8>) -
     check_len("swizzled scale", swizzled.len(), swizzled_len(m, c))?;
     // Every byte is overwritten below: no need to clear first.
     dst.resize(m * c, 0);
-    let mut covered = 0usize;
-    for i in 0..m {
-        for j in 0..c {
-            let at = swizzle_offset(i, j, c);
-            dst[i * c + j] = swizzled[at];
-            covered += usize::from(swizzled[at] != 0);
+    if c == 0 {
+        return Ok(());
+    }
+    let full = c / SWIZZLE_COLS;
+    for (tile, src_tile) in dst.chunks_mut(SWIZZLE_ROWS * c).zip(swizzled.chunks_exact(tile_bytes(c))) {
+        for (r, row) in tile.chunks_exact_mut(c).enumerate() {
+            let at = row_in_block(r);
+            let mut quads = row.chunks_exact_mut(SWIZZLE_COLS);
+            for (q, quad) in (&mut quads).enumerate() {
+                quad.copy_from_slice(&src_tile[q * BLOCK_BYTES + at..][..SWIZZLE_COLS]);
+            }
+            let rest = quads.into_remainder();
+            if !rest.is_empty() {
+                let n = rest.len();
+                rest.copy_from_slice(&src_tile[full * BLOCK_BYTES + at..][..n]);
+            }
         }
     }
-    let nonzero = swizzled.iter().filter(|&&b| b != 0).count();
-    if nonzero != covered {
-        return Err(KernelError::Layout(format!("swizzled [{m}, {c}] scale has {} non-zero padding bytes", nonzero - covered)));
+    // `dst` holds every byte the swizzle places, once: whatever else is non-zero is padding.
+    // Counted in byte-wide lanes, 255 bytes at a time (a count per byte does not vectorize).
+    let nonzero = |b: &[u8]| -> usize { b.chunks(255).map(|c| usize::from(c.iter().fold(0u8, |n, &x| n + u8::from(x != 0)))).sum() };
+    let dirty = nonzero(swizzled) - nonzero(dst);
+    if dirty != 0 {
+        return Err(KernelError::Layout(format!("swizzled [{m}, {c}] scale has {dirty} non-zero padding bytes")));
     }
     Ok(())
 }
+
+/// Rows per pass of the packing's transpose: a pass reads `PACK_ROWS` scale rows (a few KiB)
+/// and writes one 64-byte line per 4-byte column, instead of one line per word.
+const PACK_ROWS: usize = 16;
 
 /// Packs a chunk-permuted per-row scale `[groups * rows, c]` (c a multiple of 4) into
 /// DeepGEMM's MN-major packed UE8M0: int32 `[groups, rows, c/4]` holding 4 consecutive scale
@@ -71,15 +118,20 @@ pub fn pack_ue8m0_mn_major(scale: &[u8], groups: usize, rows: usize, c: usize, d
         return Err(KernelError::Shape(format!("packed UE8M0 needs scale columns ({c}) and rows ({rows}) that are multiples of 4")));
     }
     check_len("scale to pack", scale.len(), groups * rows * c)?;
-    let k4 = c / 4;
     // Every byte is overwritten below: no need to clear first.
     dst.resize(scale.len(), 0);
-    for g in 0..groups {
-        for r in 0..rows {
-            let src_row = &scale[(g * rows + r) * c..][..c];
-            for (q, word) in src_row.chunks_exact(4).enumerate() {
-                let at = ((g * k4 + q) * rows + r) * 4;
-                dst[at..at + 4].copy_from_slice(word);
+    // Word (g, r, q) is at g0 + r * c + q * 4 in the scale and g0 + (q * rows + r) * 4 packed.
+    let (k4, group) = (c / 4, rows * c);
+    if group == 0 {
+        return Ok(());
+    }
+    for g0 in (0..scale.len()).step_by(group) {
+        for r0 in (0..rows).step_by(PACK_ROWS) {
+            for q in 0..k4 {
+                for r in r0..(r0 + PACK_ROWS).min(rows) {
+                    let (from, to) = (g0 + r * c + q * 4, g0 + (q * rows + r) * 4);
+                    dst[to..to + 4].copy_from_slice(&scale[from..from + 4]);
+                }
             }
         }
     }
@@ -92,15 +144,19 @@ pub fn unpack_ue8m0_mn_major(packed: &[u8], groups: usize, rows: usize, c: usize
     if !c.is_multiple_of(4) {
         return Err(KernelError::Shape(format!("packed UE8M0 needs columns ({c}) a multiple of 4")));
     }
-    let k4 = c / 4;
     // Every byte is overwritten below: no need to clear first.
     dst.resize(packed.len(), 0);
-    for g in 0..groups {
+    // Read in storage order (each column of words of a group in turn): sequential reads,
+    // writes a scale row apart.
+    let (k4, group) = (c / 4, rows * c);
+    if group == 0 {
+        return Ok(());
+    }
+    for g0 in (0..packed.len()).step_by(group) {
         for q in 0..k4 {
             for r in 0..rows {
-                let at = ((g * k4 + q) * rows + r) * 4;
-                let to = (g * rows + r) * c + q * 4;
-                dst[to..to + 4].copy_from_slice(&packed[at..at + 4]);
+                let (from, to) = (g0 + r * c + q * 4, g0 + (q * rows + r) * 4);
+                dst[from..from + 4].copy_from_slice(&packed[to..to + 4]);
             }
         }
     }
@@ -143,6 +199,53 @@ mod tests {
         assert_eq!(back, scale);
     }
 
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// The swizzle puts every byte at its `swizzle_offset` and zeroes the rest, and the
+        /// unswizzle inverts it, for every shape (partial tiles, columns not a multiple of 4).
+        #[test]
+        fn the_swizzle_places_every_byte_at_its_offset(m in 0usize..300, c in 0usize..11, seed: u64) {
+            let scale = crate::testdata::splitmix_bytes(m * c, seed);
+            let mut want = vec![0u8; swizzled_len(m, c)];
+            for i in 0..m {
+                for j in 0..c {
+                    want[swizzle_offset(i, j, c)] = scale[i * c + j];
+                }
+            }
+            let mut got = vec![0xEE; 3];
+            swizzle_128x4(&scale, m, c, &mut got).unwrap();
+            prop_assert_eq!(&got, &want);
+            let mut back = vec![0xEE; 5];
+            unswizzle_128x4(&got, m, c, &mut back).unwrap();
+            prop_assert_eq!(back, scale);
+        }
+
+        /// Packing moves word `(g, r, q)` to `((g * c/4 + q) * rows + r) * 4` and unpacking
+        /// inverts it, for row counts that are and are not multiples of the transpose's block.
+        #[test]
+        fn packing_moves_every_word_to_its_offset(groups in 0usize..4, rows4 in 0usize..12, c4 in 1usize..6, seed: u64) {
+            let (rows, c) = (rows4 * 4, c4 * 4);
+            let scale = crate::testdata::splitmix_bytes(groups * rows * c, seed);
+            let mut want = vec![0u8; scale.len()];
+            for g in 0..groups {
+                for r in 0..rows {
+                    for q in 0..c4 {
+                        let (from, to) = ((g * rows + r) * c + q * 4, ((g * c4 + q) * rows + r) * 4);
+                        want[to..to + 4].copy_from_slice(&scale[from..from + 4]);
+                    }
+                }
+            }
+            let mut got = vec![0xEE; 7];
+            pack_ue8m0_mn_major(&scale, groups, rows, c, &mut got).unwrap();
+            prop_assert_eq!(&got, &want);
+            let mut back = Vec::new();
+            unpack_ue8m0_mn_major(&got, groups, rows, c, &mut back).unwrap();
+            prop_assert_eq!(back, scale);
+        }
+    }
+
     #[test]
     fn unswizzle_rejects_dirty_padding() {
         let scale = vec![7u8; 3 * 5];
@@ -153,6 +256,11 @@ mod tests {
         assert_eq!(back, scale);
         let pad = (0..sw.len()).find(|&o| sw[o] == 0).unwrap();
         sw[pad] = 1;
-        assert!(unswizzle_128x4(&sw, 3, 5, &mut back).is_err());
+        let e = unswizzle_128x4(&sw, 3, 5, &mut back).unwrap_err();
+        assert!(matches!(&e, KernelError::Layout(m) if m.contains("1 non-zero padding bytes")), "{e}");
+        let last = sw.len() - 1;
+        sw[last] = 9;
+        let e = unswizzle_128x4(&sw, 3, 5, &mut back).unwrap_err();
+        assert!(matches!(&e, KernelError::Layout(m) if m.contains("2 non-zero padding bytes")), "{e}");
     }
 }
