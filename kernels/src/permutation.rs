@@ -169,18 +169,37 @@ pub fn gather_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm: &Permut
     // Every byte is overwritten below: no need to clear first.
     dst.resize(src.len(), 0);
     for (src_row, dst_row) in src.chunks_exact(row_bytes).zip(dst.chunks_exact_mut(row_bytes)) {
-        if run_bytes == 1 {
-            for (d, &s) in dst_row.iter_mut().zip(perm.as_slice()) {
+        gather_row(src_row, dst_row, run_bytes, perm.as_slice());
+    }
+    Ok(())
+}
+
+/// One row of [`gather_runs`]: `dst_row`'s run `f` is `src_row`'s run `perm[f]`. The run
+/// lengths the layouts use (single scale bytes, 32-byte `wo_a` chunks) get copies of a size
+/// known when compiled; a copy of a length known only at run time is a call per run.
+#[inline]
+fn gather_row(src_row: &[u8], dst_row: &mut [u8], run_bytes: usize, perm: &[u32]) {
+    #[inline(always)]
+    fn fixed<const R: usize>(src_row: &[u8], dst_row: &mut [u8], perm: &[u32]) {
+        for (d, &s) in dst_row.chunks_exact_mut(R).zip(perm) {
+            let at = s as usize * R;
+            d.copy_from_slice(&src_row[at..at + R]);
+        }
+    }
+    match run_bytes {
+        1 => {
+            for (d, &s) in dst_row.iter_mut().zip(perm) {
                 *d = src_row[s as usize];
             }
-        } else {
-            for (d, &s) in dst_row.chunks_exact_mut(run_bytes).zip(perm.as_slice()) {
+        }
+        32 => fixed::<32>(src_row, dst_row, perm),
+        _ => {
+            for (d, &s) in dst_row.chunks_exact_mut(run_bytes).zip(perm) {
                 let at = s as usize * run_bytes;
                 d.copy_from_slice(&src_row[at..at + run_bytes]);
             }
         }
     }
-    Ok(())
 }
 
 fn check_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm: &Permutation) -> Result<(), KernelError> {
@@ -192,6 +211,18 @@ fn check_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm: &Permutation
         )));
     }
     Ok(())
+}
+
+/// `perm` cut into its stretches of consecutive values (`5, 6, 7, 2, 3` gives `5..8, 2..4`):
+/// the pieces of a gather that can be moved, or digested, as one.
+pub fn consecutive_runs(perm: &[u32]) -> impl Iterator<Item = std::ops::Range<u32>> + '_ {
+    let mut rest = perm;
+    std::iter::from_fn(move || {
+        let &first = rest.first()?;
+        let len = 1 + rest.windows(2).take_while(|w| w[0].checked_add(1) == Some(w[1])).count();
+        rest = &rest[len..];
+        Some(first..first + len as u32)
+    })
 }
 
 /// Runs at least this long are hashed where they lie; shorter ones are gathered a row at a time
@@ -207,19 +238,16 @@ pub fn digest_gathered_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm
     let mut h = crate::digest::DigestStream::new();
     if run_bytes >= HASH_IN_PLACE_RUN {
         for src_row in src.chunks_exact(row_bytes) {
-            for &s in perm.as_slice() {
-                let at = s as usize * run_bytes;
-                h.update(&src_row[at..at + run_bytes]);
+            // Runs that lie one after another in `src` are hashed as one piece (the inverse Q
+            // permutation reads 16 consecutive rows at a time).
+            for run in consecutive_runs(perm.as_slice()) {
+                h.update(&src_row[run.start as usize * run_bytes..run.end as usize * run_bytes]);
             }
         }
     } else {
-        let mut row = Vec::with_capacity(row_bytes);
+        let mut row = vec![0u8; row_bytes];
         for src_row in src.chunks_exact(row_bytes) {
-            row.clear();
-            for &s in perm.as_slice() {
-                let at = s as usize * run_bytes;
-                row.extend_from_slice(&src_row[at..at + run_bytes]);
-            }
+            gather_row(src_row, &mut row, run_bytes, perm.as_slice());
             h.update(&row);
         }
     }
@@ -248,6 +276,18 @@ mod tests {
         }
         let perm = Permutation::from_map(vec![1, 0]).unwrap();
         assert!(matches!(digest_gathered_runs(&src, 10, 3, &perm), Err(KernelError::Shape(_))));
+    }
+
+    #[test]
+    fn consecutive_runs_cut_where_the_values_jump() {
+        let cut = |p: &[u32]| consecutive_runs(p).collect::<Vec<_>>();
+        assert_eq!(cut(&[5, 6, 7, 2, 3]), vec![5..8, 2..4]);
+        assert_eq!(cut(&[]), Vec::<std::ops::Range<u32>>::new());
+        assert_eq!(cut(&[3, 2, 1]), vec![3..4, 2..3, 1..2]);
+        assert_eq!(cut(&[0, 1, 2, 3]), vec![0..4]);
+        // The inverse Q permutation for 2 heads of 32 dims reads 16 consecutive rows at a time.
+        let inv = Permutation::q_rows(2, 32).unwrap().inverse();
+        assert_eq!(cut(inv.as_slice()), vec![0..16, 32..48, 16..32, 48..64]);
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! - Chunk order (`wo_a`): one pass, row by row: each row is checked and digested, gathered,
 //!   and its gathered copy digested while it is still in cache.
 //! - Row order (`wq_b`): the rows move across the whole tensor, so the stored bytes are checked
-//!   and digested in one pass and gathered and digested in a second.
+//!   and digested in one pass, and gathered in a second, which digests each gathered run of
+//!   rows as it copies it (the destination is written, never read).
 //!
 //! The digests are the XXH3-64 of the bytes in storage order, exactly [`Digest::of`].
 
@@ -92,10 +93,18 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
                 return Err(KernelError::Shape(format!("the row permutation covers {} rows, the weight has {rows}", perm.len())));
             }
             let source = digest_nan_free(src).map_err(|at| nan_at(at, k))?;
-            permutation::gather_runs(src, rows * k, k, perm, dst)?;
+            dst.resize(src.len(), 0);
+            // Each run of rows that are consecutive in the source too (16 at a time in the Q
+            // permutation) is copied and digested in one piece: the placed digest reads the
+            // bytes the copy just read, so the destination is never read back.
             let mut h = DigestStream::new();
-            for d in dst.chunks(STEP) {
-                h.update(d);
+            let mut f = 0;
+            for run in permutation::consecutive_runs(perm.as_slice()) {
+                let (from, n) = (run.start as usize * k, run.len() * k);
+                let piece = &src[from..from + n];
+                dst[f..f + n].copy_from_slice(piece);
+                h.update(piece);
+                f += n;
             }
             Ok(Placed { source, placed: h.finish(), quantized: None })
         }
