@@ -375,6 +375,19 @@ pub fn expand_block_scales(block_scale: &[u8], rows: usize, k: usize, block: [us
     Ok(())
 }
 
+/// Makes `dst` `n` bytes long for a writer that then overwrites every byte. A buffer that must
+/// grow is replaced by a zeroed allocation instead of being grown and filled with zeros: large
+/// zeroed blocks come straight from the kernel, zero already (the worker's allocator), so a
+/// fresh buffer's bytes are written once, by the writer. A buffer that fits keeps its
+/// allocation (a reload allocates nothing).
+pub fn resize_for_overwrite(dst: &mut Vec<u8>, n: usize) {
+    if dst.capacity() < n {
+        *dst = vec![0u8; n];
+    } else {
+        dst.resize(n, 0);
+    }
+}
+
 /// Buffers a loader reuses across tensors and reloads. `take` hands out the free buffer that
 /// fits best, so a reload of the same shapes allocates nothing new.
 pub struct BufferPool<B: Backend> {

@@ -20,7 +20,7 @@ pub mod simd;
 #[doc(hidden)]
 pub mod testdata;
 
-pub use backend::{Backend, BackendWeight, BufferPool, CpuBackend, ScaleKind};
+pub use backend::{Backend, BackendWeight, BufferPool, CpuBackend, ScaleKind, resize_for_overwrite};
 pub use digest::Digest;
 pub use mxfp8::ScaleRule;
 

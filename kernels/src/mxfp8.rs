@@ -2,6 +2,7 @@
 //! E4M3fn elements with round-to-nearest-even and saturation. Both scale rules, computed
 //! exactly from the f32 bit patterns (never with a floating-point `log2`).
 
+use crate::backend::resize_for_overwrite;
 use crate::permutation::BlockOrder;
 use crate::{KernelError, e4m3, e8m0};
 
@@ -221,8 +222,8 @@ fn quantize_rows_with(
         _ => {}
     }
     // Every byte is overwritten below: no need to clear first.
-    elements.resize(rows * k, 0);
-    scales.resize(rows * blocks, 0);
+    resize_for_overwrite(elements, rows * k);
+    resize_for_overwrite(scales, rows * blocks);
     if k == 0 {
         return Ok(());
     }

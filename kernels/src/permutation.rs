@@ -167,7 +167,7 @@ pub enum BlockOrder<'p> {
 pub fn gather_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm: &Permutation, dst: &mut Vec<u8>) -> Result<(), KernelError> {
     check_runs(src, row_bytes, run_bytes, perm)?;
     // Every byte is overwritten below: no need to clear first.
-    dst.resize(src.len(), 0);
+    crate::backend::resize_for_overwrite(dst, src.len());
     for (src_row, dst_row) in src.chunks_exact(row_bytes).zip(dst.chunks_exact_mut(row_bytes)) {
         gather_row(src_row, dst_row, run_bytes, perm.as_slice());
     }

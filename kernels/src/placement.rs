@@ -12,6 +12,7 @@
 //!
 //! The digests are the XXH3-64 of the bytes in storage order, exactly [`Digest::of`].
 
+use crate::backend::resize_for_overwrite;
 use crate::digest::{Digest, DigestStream};
 use crate::e4m3::{digest_nan_free, find_nan};
 use crate::permutation::{BlockOrder, O_CHUNK};
@@ -53,8 +54,8 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
     }
     match order {
         BlockOrder::Identity => {
-            // Every byte is overwritten below: resizing a reused buffer of this size is free.
-            dst.resize(src.len(), 0);
+            // Every byte is overwritten below (a reused buffer of this size is not touched).
+            resize_for_overwrite(dst, src.len());
             let mut h = DigestStream::new();
             for (i, (s, d)) in src.chunks(STEP).zip(dst.chunks_mut(STEP)).enumerate() {
                 if let Some(at) = find_nan(s) {
@@ -73,7 +74,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
                     perm.len() * O_CHUNK
                 )));
             }
-            dst.resize(src.len(), 0);
+            resize_for_overwrite(dst, src.len());
             let (mut hs, mut hd) = (DigestStream::new(), DigestStream::new());
             for (r, (s, d)) in src.chunks_exact(k).zip(dst.chunks_exact_mut(k)).enumerate() {
                 if let Some(at) = find_nan(s) {
@@ -93,7 +94,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
                 return Err(KernelError::Shape(format!("the row permutation covers {} rows, the weight has {rows}", perm.len())));
             }
             let source = digest_nan_free(src).map_err(|at| nan_at(at, k))?;
-            dst.resize(src.len(), 0);
+            resize_for_overwrite(dst, src.len());
             // Each run of rows that are consecutive in the source too (16 at a time in the Q
             // permutation) is copied and digested in one piece: the placed digest reads the
             // bytes the copy just read, so the destination is never read back.

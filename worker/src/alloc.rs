@@ -1,11 +1,15 @@
 //! The worker's global allocator: the system allocator, with large buffers (a rank's weights)
-//! aligned to 2 MiB and marked for transparent huge pages (`madvise(MADV_HUGEPAGE)`) before
-//! their first touch, so a fresh process faults its weights in 2 MiB at a time instead of
-//! 4 KiB (512x fewer page faults; the kernel zeroes the same bytes either way).
+//! mapped straight from the kernel on Linux, 2 MiB aligned and marked for transparent huge
+//! pages (`madvise(MADV_HUGEPAGE)`) before their first touch, so a fresh process faults its
+//! weights in 2 MiB at a time instead of 4 KiB (512x fewer page faults; the kernel zeroes the
+//! same bytes either way). A fresh mapping is zero already, so a zeroed large block
+//! (`vec![0u8; n]`) costs no pass over its bytes: the loaders size fresh buffers that way
+//! (`orchestrator_kernels::resize_for_overwrite`), and each byte of a fresh load is written
+//! once, by the pipeline, instead of first by a fill of zeros.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 
-/// Allocations at least this large are huge-page aligned and advised.
+/// Allocations at least this large are mapped (Linux) or huge-page aligned (elsewhere).
 const HUGE: usize = 4 << 20;
 const HUGE_PAGE: usize = 2 << 20;
 
@@ -30,85 +34,138 @@ pub fn advises_on_this_thread() -> bool {
     !SMALL_PAGES.with(|s| s.get())
 }
 
-fn advise(ptr: *mut u8, size: usize) {
-    #[cfg(target_os = "linux")]
-    if !ptr.is_null() && advises_on_this_thread() {
-        // SAFETY: the range lies inside the allocation just made; MADV_HUGEPAGE changes no
-        // contents, and a kernel without THP answers EINVAL, which changes nothing either.
+fn is_large(layout: Layout) -> bool {
+    layout.size() >= HUGE && layout.align() <= HUGE_PAGE
+}
+
+#[cfg(target_os = "linux")]
+mod large {
+    use super::{HUGE_PAGE, advises_on_this_thread};
+
+    /// Bytes mapped for a block of `size`: whole huge pages (so the end of the block is page
+    /// aligned whatever the base page size).
+    fn mapped_len(size: usize) -> Option<usize> {
+        size.checked_next_multiple_of(HUGE_PAGE)
+    }
+
+    /// A fresh, zeroed, 2 MiB-aligned mapping of at least `size` bytes, or null.
+    pub fn map(size: usize) -> *mut u8 {
+        let Some(len) = mapped_len(size) else { return std::ptr::null_mut() };
+        let Some(over) = len.checked_add(HUGE_PAGE) else { return std::ptr::null_mut() };
+        // SAFETY: a new private anonymous mapping; nothing else refers to it.
+        let base = unsafe {
+            libc::mmap(std::ptr::null_mut(), over, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        if base == libc::MAP_FAILED {
+            return std::ptr::null_mut();
+        }
+        let base = base as usize;
+        let start = base.next_multiple_of(HUGE_PAGE);
+        // SAFETY: the slop before `start` and after `start + len` lies inside the mapping just
+        // made, on page boundaries (mappings start on one; `start` and `len` are multiples of
+        // 2 MiB); unmapping it leaves exactly [start, start + len).
         unsafe {
-            libc::madvise(ptr.cast(), size, libc::MADV_HUGEPAGE);
+            if start > base {
+                libc::munmap(base as *mut libc::c_void, start - base);
+            }
+            let tail = base + over - (start + len);
+            if tail > 0 {
+                libc::munmap((start + len) as *mut libc::c_void, tail);
+            }
+            if advises_on_this_thread() {
+                // MADV_HUGEPAGE changes no contents; a kernel without THP answers EINVAL,
+                // which changes nothing either.
+                libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+            }
+        }
+        start as *mut u8
+    }
+
+    /// Unmaps a block [`map`] made for `size` bytes.
+    ///
+    /// # Safety
+    /// `ptr` came from `map(size)` and is not used afterwards.
+    pub unsafe fn unmap(ptr: *mut u8, size: usize) {
+        if let Some(len) = mapped_len(size) {
+            // SAFETY: the caller's contract: exactly the range `map` kept.
+            unsafe { libc::munmap(ptr.cast(), len) };
         }
     }
 }
 
-fn huge(layout: Layout) -> Option<Layout> {
-    (layout.size() >= HUGE).then(|| Layout::from_size_align(layout.size(), layout.align().max(HUGE_PAGE)).ok()).flatten()
+#[cfg(not(target_os = "linux"))]
+mod large {
+    use super::HUGE_PAGE;
+    use std::alloc::{GlobalAlloc, Layout, System};
+
+    fn wide(size: usize) -> Option<Layout> {
+        Layout::from_size_align(size, HUGE_PAGE).ok()
+    }
+
+    pub fn map(size: usize) -> *mut u8 {
+        // SAFETY: `size` is at least HUGE, so not zero.
+        wide(size).map_or(std::ptr::null_mut(), |l| unsafe { System.alloc_zeroed(l) })
+    }
+
+    /// # Safety
+    /// `ptr` came from `map(size)` and is not used afterwards.
+    pub unsafe fn unmap(ptr: *mut u8, size: usize) {
+        if let Some(l) = wide(size) {
+            // SAFETY: allocated by `map` with this layout.
+            unsafe { System.dealloc(ptr, l) }
+        }
+    }
 }
 
-// SAFETY: every call goes to `System` with a layout at least as aligned as asked; `dealloc`
-// and `realloc` rebuild the same widened layout from the caller's, so `System` always sees the
-// layout it allocated with.
+// SAFETY: a large block (at least HUGE bytes, alignment at most 2 MiB) comes from `large::map`,
+// 2 MiB aligned, and goes back to `large::unmap` with the same size; every other block is
+// `System`'s, with the caller's layout. `realloc` moves a block between the two kinds by
+// allocating, copying and freeing, so each block is always freed by the kind that made it.
 unsafe impl GlobalAlloc for HugePageAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        match huge(layout) {
-            Some(wide) => {
-                // SAFETY: `wide` has a non-zero size (at least HUGE).
-                let p = unsafe { System.alloc(wide) };
-                advise(p, wide.size());
-                p
-            }
+        if is_large(layout) {
+            large::map(layout.size())
+        } else {
             // SAFETY: forwarded as is.
-            None => unsafe { System.alloc(layout) },
+            unsafe { System.alloc(layout) }
         }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        match huge(layout) {
-            Some(wide) => {
-                // SAFETY: as in `alloc`.
-                let p = unsafe { System.alloc_zeroed(wide) };
-                advise(p, wide.size());
-                p
-            }
+        if is_large(layout) {
+            // A fresh mapping reads as zeros: nothing to fill.
+            large::map(layout.size())
+        } else {
             // SAFETY: forwarded as is.
-            None => unsafe { System.alloc_zeroed(layout) },
+            unsafe { System.alloc_zeroed(layout) }
         }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from `alloc` with the same widening of `layout`.
-        unsafe { System.dealloc(ptr, huge(layout).unwrap_or(layout)) }
+        if is_large(layout) {
+            // SAFETY: a large layout's block came from `large::map` of the same size.
+            unsafe { large::unmap(ptr, layout.size()) }
+        } else {
+            // SAFETY: forwarded as is.
+            unsafe { System.dealloc(ptr, layout) }
+        }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let old = huge(layout).unwrap_or(layout);
-        let new = Layout::from_size_align(new_size, layout.align()).ok().and_then(huge);
-        match new {
-            // Staying small, or already wide and staying wide with the same alignment: System's
-            // realloc keeps the alignment it was given.
-            None if old.align() == layout.align() => unsafe { System.realloc(ptr, layout, new_size) },
-            Some(wide) if old.align() == wide.align() => {
-                // SAFETY: `ptr` was allocated with `old`; `wide` keeps its alignment.
-                let p = unsafe { System.realloc(ptr, old, new_size) };
-                advise(p, new_size);
-                p
+        let Ok(new) = Layout::from_size_align(new_size, layout.align()) else { return std::ptr::null_mut() };
+        if !is_large(layout) && !is_large(new) {
+            // SAFETY: both small: forwarded as is.
+            return unsafe { System.realloc(ptr, layout, new_size) };
+        }
+        // SAFETY: a fresh block of the new layout, the common prefix copied, then the old block
+        // freed by the kind that made it.
+        unsafe {
+            let p = self.alloc(new);
+            if !p.is_null() {
+                std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
+                self.dealloc(ptr, layout);
             }
-            // Crossing the threshold changes the alignment: allocate, copy, free.
-            _ => {
-                let target = new.unwrap_or_else(|| Layout::from_size_align(new_size, layout.align()).unwrap_or(layout));
-                // SAFETY: a fresh allocation of `target`, then the old one freed with its own layout.
-                unsafe {
-                    let p = System.alloc(target);
-                    if !p.is_null() {
-                        std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
-                        if new.is_some() {
-                            advise(p, target.size());
-                        }
-                        System.dealloc(ptr, old);
-                    }
-                    p
-                }
-            }
+            p
         }
     }
 }
@@ -146,6 +203,28 @@ mod tests {
             assert_eq!(z as usize % HUGE_PAGE, 0);
             assert!((0..HUGE).step_by(4096).all(|i| *z.add(i) == 0));
             a.dealloc(z, Layout::from_size_align(HUGE, 64).unwrap());
+        }
+    }
+
+    /// A zeroed large block is not filled (a fresh mapping is zero): it must read as zeros
+    /// even where a block just freed was written, at every byte, for sizes that are and are not
+    /// whole huge pages.
+    #[test]
+    fn zeroed_large_blocks_read_as_zeros_after_a_written_block_is_freed() {
+        let a = HugePageAlloc;
+        for size in [HUGE, HUGE + 12_345, 3 * HUGE_PAGE + 1] {
+            let layout = Layout::from_size_align(size, 1).unwrap();
+            unsafe {
+                let p = a.alloc(layout);
+                assert!(!p.is_null());
+                std::ptr::write_bytes(p, 0xA5, size);
+                a.dealloc(p, layout);
+                let z = a.alloc_zeroed(layout);
+                assert!(!z.is_null());
+                assert_eq!(z as usize % HUGE_PAGE, 0);
+                assert!(std::slice::from_raw_parts(z, size).iter().all(|&b| b == 0), "{size}");
+                a.dealloc(z, layout);
+            }
         }
     }
 }
