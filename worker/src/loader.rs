@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use orchestrator_kernels::params::{
@@ -11,6 +12,7 @@ use orchestrator_kernels::params::{
 };
 use orchestrator_kernels::placement::QuantizedDigests;
 use orchestrator_kernels::{Backend, BufferPool, Digest, KernelError, ScaleRule};
+use orchestrator_model::checkpoint::Shard;
 use orchestrator_model::names::{checkpoint_name, kernel_name, layer_tensors};
 use orchestrator_model::{Geometry, ModelConfig, ModelError, Param, Part, RankShard, TensorSpec, WeightFormat};
 use rayon::prelude::*;
@@ -213,12 +215,54 @@ impl<B: Backend> RankWeights<B> {
 #[derive(Default)]
 pub struct ReferenceLayer {
     /// `(E4M3 elements, per-row scales)` of `wq_b [heads*512, q_lora]`.
-    pub wq_b: (Vec<u8>, Vec<u8>),
+    pub wq_b: (ReferenceBytes, Vec<u8>),
     /// `wo_a [groups*o_lora, 4096]`.
-    pub wo_a: (Vec<u8>, Vec<u8>),
+    pub wo_a: (ReferenceBytes, Vec<u8>),
     /// `wo_b [hidden, groups*o_lora]`.
-    pub wo_b: (Vec<u8>, Vec<u8>),
+    pub wo_b: (ReferenceBytes, Vec<u8>),
     pub attn_sink: Vec<f32>,
+}
+
+/// The E4M3 bytes of one reference weight: where they lie in the checkpoint's mapping (an FP8
+/// slice of whole rows), or copied out (a slice of some columns, a generated checkpoint, BF16
+/// quantized). Equal when the bytes are.
+pub enum ReferenceBytes {
+    Mapped { shard: Arc<Shard>, range: Range<usize> },
+    Owned(Vec<u8>),
+}
+
+impl ReferenceBytes {
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            ReferenceBytes::Mapped { shard, range } => shard.slice(range.clone()),
+            ReferenceBytes::Owned(v) => v,
+        }
+    }
+
+    /// Whether the bytes are read where they lie in the checkpoint's mapping.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self, ReferenceBytes::Mapped { .. })
+    }
+
+    /// The copied-out buffer, to refill (empty when the bytes were mapped).
+    fn take_owned(&mut self) -> Vec<u8> {
+        match std::mem::take(self) {
+            ReferenceBytes::Owned(v) => v,
+            ReferenceBytes::Mapped { .. } => Vec::new(),
+        }
+    }
+}
+
+impl Default for ReferenceBytes {
+    fn default() -> Self {
+        ReferenceBytes::Owned(Vec::new())
+    }
+}
+
+impl PartialEq for ReferenceBytes {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
 }
 
 /// What a reference reuses from one layer to the next ([`RankLoader::reference_layer_into`]).
@@ -508,24 +552,46 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         let specs = layer_tensors(&self.geometry, self.format, layer);
         let find = |param, part| specs.iter().find(|s| s.param == param && s.part == part);
         let ReferenceScratch { scratch, layer: out } = into;
-        let (mut digests, mut times) = (Vec::new(), StageTimes::default());
-        let backend = self.backend;
-        let rule = self.rule;
-        let mut host = |param: Param, scratch: &mut LayerScratch<B>, (w, s): &mut (Vec<u8>, Vec<u8>)| -> Result<(), LoadError> {
-            // Checkpoint order is only downloaded here, never permuted or hooked, so the
-            // parameter marker does not matter.
-            let (mx, _): (Mx<B, WqB, CheckpointOrder>, _) =
-                self.read_matrix(source, param, &find, scratch, &mut digests, &mut Vec::new(), &mut times, |src, rows, k, pool| {
-                    Mx::from_source(backend, src, rows, k, rule, pool)
-                })?;
-            let name = checkpoint_name(layer, param, Part::Weight);
-            let copied = mx.to_host_into(backend, w, s);
-            mx.recycle(&mut scratch.pool);
-            copied.map_err(|e| tensor_error(&name, None, e))
-        };
-        host(Param::WqB, scratch, &mut out.wq_b)?;
-        host(Param::WoA, scratch, &mut out.wo_a)?;
-        host(Param::WoB, scratch, &mut out.wo_b)?;
+        match self.format {
+            // The stored E4M3 bytes are the reference's elements: read in place where the rank's
+            // slice is whole rows, copied once where it is not; only the block scales are
+            // expanded per row. (The load these weights are compared with has checked the same
+            // bytes for NaN; a NaN byte here would only make the reference disagree.)
+            WeightFormat::Fp8 { block } => {
+                for (param, slot) in [(Param::WqB, &mut out.wq_b), (Param::WoA, &mut out.wo_a), (Param::WoB, &mut out.wo_b)] {
+                    self.reference_fp8(source, &find, param, block, &mut scratch.host_scale, slot)?;
+                }
+            }
+            WeightFormat::Bf16 => {
+                let (mut digests, mut times) = (Vec::new(), StageTimes::default());
+                let backend = self.backend;
+                let rule = self.rule;
+                let mut host =
+                    |param: Param, scratch: &mut LayerScratch<B>, (w, s): &mut (ReferenceBytes, Vec<u8>)| -> Result<(), LoadError> {
+                        // Checkpoint order is only downloaded here, never permuted or hooked, so the
+                        // parameter marker does not matter.
+                        let (mx, _): (Mx<B, WqB, CheckpointOrder>, _) = self.read_matrix(
+                            source,
+                            param,
+                            &find,
+                            scratch,
+                            &mut digests,
+                            &mut Vec::new(),
+                            &mut times,
+                            |src, rows, k, pool| Mx::from_source(backend, src, rows, k, rule, pool),
+                        )?;
+                        let name = checkpoint_name(layer, param, Part::Weight);
+                        let mut bytes = w.take_owned();
+                        let copied = mx.to_host_into(backend, &mut bytes, s);
+                        *w = ReferenceBytes::Owned(bytes);
+                        mx.recycle(&mut scratch.pool);
+                        copied.map_err(|e| tensor_error(&name, None, e))
+                    };
+                host(Param::WqB, scratch, &mut out.wq_b)?;
+                host(Param::WoA, scratch, &mut out.wo_a)?;
+                host(Param::WoB, scratch, &mut out.wo_b)?;
+            }
+        }
         let spec = find(Param::AttnSink, Part::Weight).expect("every layer has attn_sink");
         let (rows, cols) = self.slice_of(spec);
         let bytes = &mut scratch.host_weight[param_slot(Param::AttnSink)];
@@ -533,6 +599,31 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         out.attn_sink.clear();
         out.attn_sink.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
         Ok(out)
+    }
+
+    /// One FP8 weight of a reference layer: its E4M3 bytes as stored (in place when the slice is
+    /// whole rows of the file) and its block scales expanded to per-row MXFP8 scales.
+    fn reference_fp8<'s>(
+        &self,
+        source: &LoadSource,
+        find: &impl Fn(Param, Part) -> Option<&'s TensorSpec>,
+        param: Param,
+        block: [usize; 2],
+        block_scale: &mut Vec<u8>,
+        (w, s): &mut (ReferenceBytes, Vec<u8>),
+    ) -> Result<(), LoadError> {
+        let wspec = find(param, Part::Weight).expect("every layer has the weight");
+        let (rows, cols) = self.slice_of(wspec);
+        let (n_rows, k) = (rows.len(), cols.len());
+        let mut staging = w.take_owned();
+        *w = match source.fetch(wspec, rows, cols, &mut staging)? {
+            Fetched::Mapped { shard, range } => ReferenceBytes::Mapped { shard, range },
+            Fetched::Staged { .. } => ReferenceBytes::Owned(staging),
+        };
+        let sspec = find(param, Part::Scale).expect("FP8 layers have scales");
+        let (srows, scols) = self.slice_of(sspec);
+        let file = source.read(sspec, srows, scols, block_scale)?;
+        orchestrator_kernels::backend::expand_block_scales(block_scale, n_rows, k, block, s).map_err(|e| tensor_error(&sspec.name, file, e))
     }
 
     /// Fetches a matrix parameter's slice (weight and, for FP8, block scale), hands the bytes

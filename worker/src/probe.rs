@@ -12,7 +12,7 @@ use orchestrator_kernels::{Backend, BackendWeight, Digest, KernelError, ScaleKin
 use orchestrator_model::{Generator, Geometry};
 use serde::Serialize;
 
-use crate::loader::{LoadError, RankLoader, RankWeights, ReferenceLayer, ReferenceScratch, serialize_hex};
+use crate::loader::{LoadError, RankLoader, RankWeights, ReferenceBytes, ReferenceLayer, ReferenceScratch, serialize_hex};
 use crate::source::LoadSource;
 
 /// Tolerance of `z` against the reference (the PR's test: rtol = atol = 1e-3).
@@ -338,13 +338,14 @@ fn run_kernel<B: Backend>(
     })
 }
 
-fn row_major_view((e, s): &(Vec<u8>, Vec<u8>), n: usize) -> WeightView<'_> {
+fn row_major_view((e, s): &(ReferenceBytes, Vec<u8>), n: usize) -> WeightView<'_> {
+    let e = e.as_slice();
     WeightView { elements: e, n, k: e.len() / n.max(1), scales: ScaleView::RowMajor(s) }
 }
 
 fn run_reference(shape: &ProbeShape, inputs: &ProbeInputs, r: &ReferenceLayer, rule: ScaleRule) -> Result<ProbeOutput, KernelError> {
     let group_rows = shape.o_lora;
-    let (wo_a_e, wo_a_s) = &r.wo_a;
+    let (wo_a_e, wo_a_s) = (r.wo_a.0.as_slice(), &r.wo_a.1);
     let k_o = wo_a_e.len() / (shape.groups * group_rows).max(1);
     let c_o = k_o / 32;
     let wo_a = (0..shape.groups)

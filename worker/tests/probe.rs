@@ -215,6 +215,42 @@ fn reference_layers_read_into_kept_buffers_equal_fresh_reads() {
     }
 }
 
+/// A reference read from a safetensors checkpoint gives the bytes a reference of the same
+/// generated checkpoint gives, layer after layer into the same buffers: FP8 slices of whole
+/// rows (`wq_b`, `wo_a`) read in place in the file's mapping, a slice of some columns (`wo_b` at
+/// TP 2) copied out, BF16 quantized; and a probe checked against it passes.
+#[test]
+fn a_reference_read_in_place_from_the_checkpoint_equals_the_generated_one() {
+    for bf16 in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ckpt");
+        let config = ModelConfig::from_preset(Preset::Tiny, Some(3), bf16).unwrap();
+        write_checkpoint(&dir, &SynthOptions { config, seed: 31, max_shard_bytes: 1 << 30, preset_name: None }).unwrap();
+        let (file, generated) = (LoadSource::open_checkpoint(&dir).unwrap(), dummy(Preset::Tiny, 3, bf16, 31));
+        for (tp, rank) in [(1, 0), (2, 1)] {
+            let loader = RankLoader::new(&CpuBackend, file.config(), tp, rank, ScaleRule::Rceil).unwrap();
+            let mut kept = orchestrator_worker::loader::ReferenceScratch::default();
+            for layer in [1, 0, 2] {
+                let want = loader.reference_layer(&generated, layer).unwrap();
+                let got = loader.reference_layer_into(&file, layer, &mut kept).unwrap();
+                let what = format!("bf16 {bf16} tp {tp} rank {rank} layer {layer}");
+                for (name, a, b) in [("wq_b", &want.wq_b, &got.wq_b), ("wo_a", &want.wo_a, &got.wo_a), ("wo_b", &want.wo_b, &got.wo_b)] {
+                    assert!(a == b, "{what}: {name}");
+                }
+                assert_eq!(want.attn_sink, got.attn_sink, "{what}");
+                assert_eq!(got.wq_b.0.is_mapped(), !bf16, "{what}: wq_b rows are read in place");
+                assert_eq!(got.wo_a.0.is_mapped(), !bf16, "{what}: wo_a rows are read in place");
+                assert_eq!(got.wo_b.0.is_mapped(), !bf16 && tp == 1, "{what}: wo_b is whole rows only at TP 1");
+            }
+            let w = loader.load(&file).unwrap();
+            assert_passes(
+                &probe_rank(&loader, &w, &file, ProbeSpec { tokens: 2, latents: 16, seed: 3 }, ScaleRule::Rceil).unwrap(),
+                "in place",
+            );
+        }
+    }
+}
+
 /// `load_unless` (the spare buffers a rank prepares after its launch): the same weights as a
 /// load while nothing cancels it, and nothing once something does, asked before every layer.
 #[test]
