@@ -552,44 +552,10 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         let specs = layer_tensors(&self.geometry, self.format, layer);
         let find = |param, part| specs.iter().find(|s| s.param == param && s.part == part);
         let ReferenceScratch { scratch, layer: out } = into;
-        match self.format {
-            // The stored E4M3 bytes are the reference's elements: read in place where the rank's
-            // slice is whole rows, copied once where it is not; only the block scales are
-            // expanded per row. (The load these weights are compared with has checked the same
-            // bytes for NaN; a NaN byte here would only make the reference disagree.)
-            WeightFormat::Fp8 { block } => {
-                for (param, slot) in [(Param::WqB, &mut out.wq_b), (Param::WoA, &mut out.wo_a), (Param::WoB, &mut out.wo_b)] {
-                    self.reference_fp8(source, &find, param, block, &mut scratch.host_scale, slot)?;
-                }
-            }
-            WeightFormat::Bf16 => {
-                let (mut digests, mut times) = (Vec::new(), StageTimes::default());
-                let backend = self.backend;
-                let rule = self.rule;
-                let mut host =
-                    |param: Param, scratch: &mut LayerScratch<B>, (w, s): &mut (ReferenceBytes, Vec<u8>)| -> Result<(), LoadError> {
-                        // Checkpoint order is only downloaded here, never permuted or hooked, so the
-                        // parameter marker does not matter.
-                        let (mx, _): (Mx<B, WqB, CheckpointOrder>, _) = self.read_matrix(
-                            source,
-                            param,
-                            &find,
-                            scratch,
-                            &mut digests,
-                            &mut Vec::new(),
-                            &mut times,
-                            |src, rows, k, pool| Mx::from_source(backend, src, rows, k, rule, pool),
-                        )?;
-                        let name = checkpoint_name(layer, param, Part::Weight);
-                        let mut bytes = w.take_owned();
-                        let copied = mx.to_host_into(backend, &mut bytes, s);
-                        *w = ReferenceBytes::Owned(bytes);
-                        mx.recycle(&mut scratch.pool);
-                        copied.map_err(|e| tensor_error(&name, None, e))
-                    };
-                host(Param::WqB, scratch, &mut out.wq_b)?;
-                host(Param::WoA, scratch, &mut out.wo_a)?;
-                host(Param::WoB, scratch, &mut out.wo_b)?;
+        for (param, slot) in [(Param::WqB, &mut out.wq_b), (Param::WoA, &mut out.wo_a), (Param::WoB, &mut out.wo_b)] {
+            match self.format {
+                WeightFormat::Fp8 { block } => self.reference_fp8(source, &find, param, block, &mut scratch.host_scale, slot)?,
+                WeightFormat::Bf16 => self.reference_quantized(source, &find, layer, param, scratch, slot)?,
             }
         }
         let spec = find(Param::AttnSink, Part::Weight).expect("every layer has attn_sink");
@@ -601,8 +567,35 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         Ok(out)
     }
 
-    /// One FP8 weight of a reference layer: its E4M3 bytes as stored (in place when the slice is
-    /// whole rows of the file) and its block scales expanded to per-row MXFP8 scales.
+    /// One BF16 weight of a reference layer: read through the load's source stage and quantized
+    /// with this loader's rule, in checkpoint order (never permuted or hooked, so the parameter
+    /// marker of the matrix does not matter), then copied to the host.
+    fn reference_quantized<'s>(
+        &self,
+        source: &LoadSource,
+        find: &impl Fn(Param, Part) -> Option<&'s TensorSpec>,
+        layer: usize,
+        param: Param,
+        scratch: &mut LayerScratch<B>,
+        (w, s): &mut (ReferenceBytes, Vec<u8>),
+    ) -> Result<(), LoadError> {
+        let (backend, rule) = (self.backend, self.rule);
+        let (mut digests, mut times) = (Vec::new(), StageTimes::default());
+        let (mx, _): (Mx<B, WqB, CheckpointOrder>, _) =
+            self.read_matrix(source, param, find, scratch, &mut digests, &mut Vec::new(), &mut times, |src, rows, k, pool| {
+                Mx::from_source(backend, src, rows, k, rule, pool)
+            })?;
+        let mut bytes = w.take_owned();
+        let copied = mx.to_host_into(backend, &mut bytes, s);
+        *w = ReferenceBytes::Owned(bytes);
+        mx.recycle(&mut scratch.pool);
+        copied.map_err(|e| tensor_error(&checkpoint_name(layer, param, Part::Weight), None, e))
+    }
+
+    /// One FP8 weight of a reference layer: its E4M3 bytes as stored, where they lie in the
+    /// file's mapping when the slice is whole rows (else copied once), and its block scales
+    /// expanded to per-row MXFP8 scales. The load these weights are compared with has checked
+    /// the same bytes for NaN; a NaN byte here would only make the reference disagree.
     fn reference_fp8<'s>(
         &self,
         source: &LoadSource,
