@@ -213,9 +213,15 @@ fn check_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm: &Permutation
     Ok(())
 }
 
-/// `perm` cut into its stretches of consecutive values (`5, 6, 7, 2, 3` gives `5..8, 2..4`):
-/// the pieces of a gather that can be moved, or digested, as one.
-pub fn consecutive_runs(perm: &[u32]) -> impl Iterator<Item = std::ops::Range<u32>> + '_ {
+/// What [`gather_runs`] writes into one row, in order, as slices of `src_row`: each stretch of
+/// runs that are consecutive in `src_row` too ([`consecutive_runs`]) is one piece, to copy or
+/// digest as one (the Q permutation moves 16 consecutive rows at a time).
+pub fn gathered_pieces<'a>(src_row: &'a [u8], run_bytes: usize, perm: &'a [u32]) -> impl Iterator<Item = &'a [u8]> + 'a {
+    consecutive_runs(perm).map(move |r| &src_row[r.start as usize * run_bytes..r.end as usize * run_bytes])
+}
+
+/// `perm` cut into its stretches of consecutive values (`5, 6, 7, 2, 3` gives `5..8, 2..4`).
+fn consecutive_runs(perm: &[u32]) -> impl Iterator<Item = std::ops::Range<u32>> + '_ {
     let mut rest = perm;
     std::iter::from_fn(move || {
         let &first = rest.first()?;
@@ -238,10 +244,8 @@ pub fn digest_gathered_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm
     let mut h = crate::digest::DigestStream::new();
     if run_bytes >= HASH_IN_PLACE_RUN {
         for src_row in src.chunks_exact(row_bytes) {
-            // Runs that lie one after another in `src` are hashed as one piece (the inverse Q
-            // permutation reads 16 consecutive rows at a time).
-            for run in consecutive_runs(perm.as_slice()) {
-                h.update(&src_row[run.start as usize * run_bytes..run.end as usize * run_bytes]);
+            for piece in gathered_pieces(src_row, run_bytes, perm.as_slice()) {
+                h.update(piece);
             }
         }
     } else {
@@ -288,6 +292,13 @@ mod tests {
         // The inverse Q permutation for 2 heads of 32 dims reads 16 consecutive rows at a time.
         let inv = Permutation::q_rows(2, 32).unwrap().inverse();
         assert_eq!(cut(inv.as_slice()), vec![0..16, 32..48, 16..32, 48..64]);
+        // The pieces, one after another, are what the gather writes: 64 rows of 3 bytes in 4 pieces.
+        let src: Vec<u8> = (0..64 * 3).map(|i| i as u8).collect();
+        let mut want = Vec::new();
+        gather_runs(&src, src.len(), 3, &inv, &mut want).unwrap();
+        let pieces: Vec<&[u8]> = gathered_pieces(&src, 3, inv.as_slice()).collect();
+        assert_eq!(pieces.len(), 4);
+        assert_eq!(pieces.concat(), want);
     }
 
     #[test]

@@ -100,12 +100,10 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
             // bytes the copy just read, so the destination is never read back.
             let mut h = DigestStream::new();
             let mut f = 0;
-            for run in permutation::consecutive_runs(perm.as_slice()) {
-                let (from, n) = (run.start as usize * k, run.len() * k);
-                let piece = &src[from..from + n];
-                dst[f..f + n].copy_from_slice(piece);
+            for piece in permutation::gathered_pieces(src, k, perm.as_slice()) {
+                dst[f..f + piece.len()].copy_from_slice(piece);
                 h.update(piece);
-                f += n;
+                f += piece.len();
             }
             Ok(Placed { source, placed: h.finish(), quantized: None })
         }
