@@ -23,6 +23,7 @@ pub mod output;
 pub mod placement;
 pub mod probe;
 pub mod process;
+pub mod reference;
 pub mod report;
 pub mod roundtrip;
 pub mod server;

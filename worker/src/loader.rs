@@ -4,7 +4,6 @@
 
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use orchestrator_kernels::params::{
@@ -12,7 +11,6 @@ use orchestrator_kernels::params::{
 };
 use orchestrator_kernels::placement::QuantizedDigests;
 use orchestrator_kernels::{Backend, BufferPool, Digest, KernelError, ScaleRule};
-use orchestrator_model::checkpoint::Shard;
 use orchestrator_model::names::{checkpoint_name, kernel_name, layer_tensors};
 use orchestrator_model::{Geometry, ModelConfig, ModelError, Param, Part, RankShard, TensorSpec, WeightFormat};
 use rayon::prelude::*;
@@ -89,15 +87,15 @@ pub fn serialize_hex<S: serde::Serializer>(d: &Digest, s: S) -> Result<S::Ok, S:
 
 /// Scratch memory one layer keeps for reloads: backend buffers and host staging.
 pub struct LayerScratch<B: Backend> {
-    pool: BufferPool<B>,
+    pub(crate) pool: BufferPool<B>,
     /// Host staging per parameter (indexed by [`param_slot`]): each keeps the capacity its
     /// parameter needs, so a reload never reallocates.
-    host_weight: [Vec<u8>; 4],
-    host_scale: Vec<u8>,
+    pub(crate) host_weight: [Vec<u8>; 4],
+    pub(crate) host_scale: Vec<u8>,
 }
 
 /// Index of a parameter's host staging buffer.
-fn param_slot(p: Param) -> usize {
+pub(crate) fn param_slot(p: Param) -> usize {
     match p {
         Param::WqB => 0,
         Param::WoA => 1,
@@ -211,77 +209,11 @@ impl<B: Backend> RankWeights<B> {
     }
 }
 
-/// One layer of a rank in checkpoint order, on the host: what the probe's reference reads.
-#[derive(Default)]
-pub struct ReferenceLayer {
-    /// `(E4M3 elements, per-row scales)` of `wq_b [heads*512, q_lora]`.
-    pub wq_b: (ReferenceBytes, Vec<u8>),
-    /// `wo_a [groups*o_lora, 4096]`.
-    pub wo_a: (ReferenceBytes, Vec<u8>),
-    /// `wo_b [hidden, groups*o_lora]`.
-    pub wo_b: (ReferenceBytes, Vec<u8>),
-    pub attn_sink: Vec<f32>,
-}
-
-/// The E4M3 bytes of one reference weight: where they lie in the checkpoint's mapping (an FP8
-/// slice of whole rows), or copied out (a slice of some columns, a generated checkpoint, BF16
-/// quantized). Equal when the bytes are.
-pub enum ReferenceBytes {
-    Mapped { shard: Arc<Shard>, range: Range<usize> },
-    Owned(Vec<u8>),
-}
-
-impl ReferenceBytes {
-    pub fn as_slice(&self) -> &[u8] {
-        match self {
-            ReferenceBytes::Mapped { shard, range } => shard.slice(range.clone()),
-            ReferenceBytes::Owned(v) => v,
-        }
-    }
-
-    /// Whether the bytes are read where they lie in the checkpoint's mapping.
-    pub fn is_mapped(&self) -> bool {
-        matches!(self, ReferenceBytes::Mapped { .. })
-    }
-
-    /// The copied-out buffer, to refill (empty when the bytes were mapped).
-    fn take_owned(&mut self) -> Vec<u8> {
-        match std::mem::take(self) {
-            ReferenceBytes::Owned(v) => v,
-            ReferenceBytes::Mapped { .. } => Vec::new(),
-        }
-    }
-}
-
-impl Default for ReferenceBytes {
-    fn default() -> Self {
-        ReferenceBytes::Owned(Vec::new())
-    }
-}
-
-impl PartialEq for ReferenceBytes {
-    fn eq(&self, other: &Self) -> bool {
-        self.as_slice() == other.as_slice()
-    }
-}
-
-/// What a reference reuses from one layer to the next ([`RankLoader::reference_layer_into`]).
-pub struct ReferenceScratch<B: Backend> {
-    scratch: LayerScratch<B>,
-    layer: ReferenceLayer,
-}
-
-impl<B: Backend> Default for ReferenceScratch<B> {
-    fn default() -> Self {
-        Self { scratch: LayerScratch::default(), layer: ReferenceLayer::default() }
-    }
-}
-
 /// Loads one rank of one TP group with a backend.
 pub struct RankLoader<'b, B: Backend> {
     backend: &'b B,
-    geometry: Geometry,
-    format: WeightFormat,
+    pub(crate) geometry: Geometry,
+    pub(crate) format: WeightFormat,
     shard: RankShard,
     rule: ScaleRule,
     q: QPermutation,
@@ -400,7 +332,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         Ok(self.assemble(source, layers, start.elapsed(), generation))
     }
 
-    fn check_source(&self, source: &LoadSource) -> Result<(), LoadError> {
+    pub(crate) fn check_source(&self, source: &LoadSource) -> Result<(), LoadError> {
         let cfg = source.config();
         if cfg.geometry != self.geometry || cfg.format != self.format {
             return Err(LoadError::Config(format!(
@@ -432,7 +364,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         }
     }
 
-    fn slice_of(&self, spec: &TensorSpec) -> (Range<usize>, Range<usize>) {
+    pub(crate) fn slice_of(&self, spec: &TensorSpec) -> (Range<usize>, Range<usize>) {
         rank_slice(&self.geometry, self.format, &self.shard, spec)
     }
 
@@ -531,99 +463,11 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
         Ok(LayerWeights { layer, wq_b, wo_a, wo_b, attn_sink, source: source_digests, kernel, quantized, times, scratch })
     }
 
-    /// The rank's layer in checkpoint order (FP8 scales expanded per row, BF16 quantized with
-    /// this loader's rule), read through the same source stage as a load, but never permuted
-    /// or hooked: the yardstick of the probe.
-    pub fn reference_layer(&self, source: &LoadSource, layer: usize) -> Result<ReferenceLayer, LoadError> {
-        let mut scratch = ReferenceScratch::default();
-        self.reference_layer_into(source, layer, &mut scratch)?;
-        Ok(scratch.layer)
-    }
-
-    /// [`RankLoader::reference_layer`] into buffers kept from the previous layer: a reference
-    /// over every layer faults in one layer's memory instead of every layer's.
-    pub fn reference_layer_into<'s>(
-        &self,
-        source: &LoadSource,
-        layer: usize,
-        into: &'s mut ReferenceScratch<B>,
-    ) -> Result<&'s ReferenceLayer, LoadError> {
-        self.check_source(source)?;
-        let specs = layer_tensors(&self.geometry, self.format, layer);
-        let find = |param, part| specs.iter().find(|s| s.param == param && s.part == part);
-        let ReferenceScratch { scratch, layer: out } = into;
-        for (param, slot) in [(Param::WqB, &mut out.wq_b), (Param::WoA, &mut out.wo_a), (Param::WoB, &mut out.wo_b)] {
-            match self.format {
-                WeightFormat::Fp8 { block } => self.reference_fp8(source, &find, param, block, &mut scratch.host_scale, slot)?,
-                WeightFormat::Bf16 => self.reference_quantized(source, &find, layer, param, scratch, slot)?,
-            }
-        }
-        let spec = find(Param::AttnSink, Part::Weight).expect("every layer has attn_sink");
-        let (rows, cols) = self.slice_of(spec);
-        let bytes = &mut scratch.host_weight[param_slot(Param::AttnSink)];
-        source.read(spec, rows, cols, bytes)?;
-        out.attn_sink.clear();
-        out.attn_sink.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-        Ok(out)
-    }
-
-    /// One BF16 weight of a reference layer: read through the load's source stage and quantized
-    /// with this loader's rule, in checkpoint order (never permuted or hooked, so the parameter
-    /// marker of the matrix does not matter), then copied to the host.
-    fn reference_quantized<'s>(
-        &self,
-        source: &LoadSource,
-        find: &impl Fn(Param, Part) -> Option<&'s TensorSpec>,
-        layer: usize,
-        param: Param,
-        scratch: &mut LayerScratch<B>,
-        (w, s): &mut (ReferenceBytes, Vec<u8>),
-    ) -> Result<(), LoadError> {
-        let (backend, rule) = (self.backend, self.rule);
-        let (mut digests, mut times) = (Vec::new(), StageTimes::default());
-        let (mx, _): (Mx<B, WqB, CheckpointOrder>, _) =
-            self.read_matrix(source, param, find, scratch, &mut digests, &mut Vec::new(), &mut times, |src, rows, k, pool| {
-                Mx::from_source(backend, src, rows, k, rule, pool)
-            })?;
-        let mut bytes = w.take_owned();
-        let copied = mx.to_host_into(backend, &mut bytes, s);
-        *w = ReferenceBytes::Owned(bytes);
-        mx.recycle(&mut scratch.pool);
-        copied.map_err(|e| tensor_error(&checkpoint_name(layer, param, Part::Weight), None, e))
-    }
-
-    /// One FP8 weight of a reference layer: its E4M3 bytes as stored, where they lie in the
-    /// file's mapping when the slice is whole rows (else copied once), and its block scales
-    /// expanded to per-row MXFP8 scales. The load these weights are compared with has checked
-    /// the same bytes for NaN; a NaN byte here would only make the reference disagree.
-    fn reference_fp8<'s>(
-        &self,
-        source: &LoadSource,
-        find: &impl Fn(Param, Part) -> Option<&'s TensorSpec>,
-        param: Param,
-        block: [usize; 2],
-        block_scale: &mut Vec<u8>,
-        (w, s): &mut (ReferenceBytes, Vec<u8>),
-    ) -> Result<(), LoadError> {
-        let wspec = find(param, Part::Weight).expect("every layer has the weight");
-        let (rows, cols) = self.slice_of(wspec);
-        let (n_rows, k) = (rows.len(), cols.len());
-        let mut staging = w.take_owned();
-        *w = match source.fetch(wspec, rows, cols, &mut staging)? {
-            Fetched::Mapped { shard, range } => ReferenceBytes::Mapped { shard, range },
-            Fetched::Staged { .. } => ReferenceBytes::Owned(staging),
-        };
-        let sspec = find(param, Part::Scale).expect("FP8 layers have scales");
-        let (srows, scols) = self.slice_of(sspec);
-        let file = source.read(sspec, srows, scols, block_scale)?;
-        orchestrator_kernels::backend::expand_block_scales(block_scale, n_rows, k, block, s).map_err(|e| tensor_error(&sspec.name, file, e))
-    }
-
     /// Fetches a matrix parameter's slice (weight and, for FP8, block scale), hands the bytes
     /// to `build` (a pipeline constructor, which validates and digests them as stored), records
     /// the source digests, and maps errors to the tensor and absolute checkpoint position.
     #[allow(clippy::too_many_arguments)]
-    fn read_matrix<'s, T>(
+    pub(crate) fn read_matrix<'s, T>(
         &self,
         source: &LoadSource,
         param: Param,
@@ -746,7 +590,7 @@ fn kernel_digests<B: Backend>(
     Ok(kernel)
 }
 
-fn tensor_error(tensor: &str, file: Option<PathBuf>, source: KernelError) -> LoadError {
+pub(crate) fn tensor_error(tensor: &str, file: Option<PathBuf>, source: KernelError) -> LoadError {
     LoadError::Tensor { tensor: tensor.to_string(), file, source }
 }
 

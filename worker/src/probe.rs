@@ -12,7 +12,8 @@ use orchestrator_kernels::{Backend, BackendWeight, Digest, KernelError, ScaleKin
 use orchestrator_model::{Generator, Geometry};
 use serde::Serialize;
 
-use crate::loader::{LoadError, RankLoader, RankWeights, ReferenceBytes, ReferenceLayer, ReferenceScratch, serialize_hex};
+use crate::loader::{LoadError, RankLoader, RankWeights, serialize_hex};
+use crate::reference::{ReferenceBytes, ReferenceLayer, ReferenceScratch};
 use crate::source::LoadSource;
 
 /// Tolerance of `z` against the reference (the PR's test: rtol = atol = 1e-3).

@@ -200,7 +200,7 @@ fn reference_layers_read_into_kept_buffers_equal_fresh_reads() {
     for bf16 in [false, true] {
         let source = dummy(Preset::Tiny, 3, bf16, 21);
         let loader = RankLoader::new(&CpuBackend, source.config(), 2, 1, ScaleRule::Rceil).unwrap();
-        let mut kept = orchestrator_worker::loader::ReferenceScratch::default();
+        let mut kept = orchestrator_worker::reference::ReferenceScratch::default();
         for layer in [2, 0, 1] {
             let fresh = loader.reference_layer(&source, layer).unwrap();
             let into = loader.reference_layer_into(&source, layer, &mut kept).unwrap();
@@ -229,7 +229,7 @@ fn a_reference_read_in_place_from_the_checkpoint_equals_the_generated_one() {
         let (file, generated) = (LoadSource::open_checkpoint(&dir).unwrap(), dummy(Preset::Tiny, 3, bf16, 31));
         for (tp, rank) in [(1, 0), (2, 1)] {
             let loader = RankLoader::new(&CpuBackend, file.config(), tp, rank, ScaleRule::Rceil).unwrap();
-            let mut kept = orchestrator_worker::loader::ReferenceScratch::default();
+            let mut kept = orchestrator_worker::reference::ReferenceScratch::default();
             for layer in [1, 0, 2] {
                 let want = loader.reference_layer(&generated, layer).unwrap();
                 let got = loader.reference_layer_into(&file, layer, &mut kept).unwrap();
