@@ -192,7 +192,7 @@ fn gather_row(src_row: &[u8], dst_row: &mut [u8], run_bytes: usize, perm: &[u32]
                 *d = src_row[s as usize];
             }
         }
-        32 => fixed::<32>(src_row, dst_row, perm),
+        O_CHUNK => fixed::<O_CHUNK>(src_row, dst_row, perm),
         _ => {
             for (d, &s) in dst_row.chunks_exact_mut(run_bytes).zip(perm) {
                 let at = s as usize * run_bytes;
