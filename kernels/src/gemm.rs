@@ -15,6 +15,7 @@
 
 use rayon::prelude::*;
 
+mod dot;
 mod fused;
 mod tile;
 
@@ -148,9 +149,11 @@ pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
     }
     let (t_rows, k, n) = (a.rows, w.k, w.n);
     let a_deq = a.dequantize();
-    let fused = t_rows <= fused::FUSED_MAX_ROWS && fused::available();
-    // Column tiles in parallel; each writes its own [T, TILE] block, scattered afterwards. A
-    // few rows take the fused path, which hands back any tile it cannot compute exactly.
+    // A few rows take the BF16 dot-product path or the fused path, which hand back any tile
+    // they cannot compute exactly.
+    let dot = dot::Activations::new(&a_deq, t_rows, k);
+    let few = dot.is_some() || (t_rows <= fused::FUSED_MAX_ROWS && fused::available());
+    // Column tiles in parallel; each writes its own [T, TILE] block, scattered afterwards.
     let tiles: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(TILE))
         .into_par_iter()
         .map_init(
@@ -158,9 +161,10 @@ pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
             |(wt, scales): &mut (Vec<f32>, Vec<u8>), tile| {
                 let n0 = tile * TILE;
                 let mut out = vec![0f32; t_rows * TILE];
-                if fused {
-                    scales.resize(TILE * (k / BLOCK), 0);
-                    if fused::tile(w, &a_deq, t_rows, n0, scales, &mut out) {
+                if few && let Some(weights) = TileWeights::gather(w, n0, scales) {
+                    let done =
+                        dot.as_ref().is_some_and(|d| dot::tile(&weights, d, &mut out)) || fused::tile(&weights, &a_deq, t_rows, &mut out);
+                    if done {
                         return (n0, out);
                     }
                 }
@@ -179,6 +183,46 @@ pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
         }
     }
     Ok(out)
+}
+
+/// A whole tile of `TILE` weight rows as the few-row paths ([`dot`], [`fused`]) read it.
+struct TileWeights<'a> {
+    /// E4M3 bytes, `TILE` rows of `k`.
+    elements: &'a [u8],
+    /// The next tile's bytes (the one its thread usually takes next), for prefetching.
+    next: &'a [u8],
+    k: usize,
+    /// Block-major: `scales[kb * TILE + j]` is row `j`'s scale of block `kb`.
+    scales: &'a [u8],
+    /// The smallest and largest scale byte.
+    min_scale: u8,
+    max_scale: u8,
+}
+
+impl<'a> TileWeights<'a> {
+    /// The tile of rows `n0 .. n0 + TILE`, its scales gathered into `scratch`. None for a partial
+    /// tile.
+    fn gather(w: &WeightView<'a>, n0: usize, scratch: &'a mut Vec<u8>) -> Option<Self> {
+        let (k, blocks) = (w.k, w.k / BLOCK);
+        if n0 + TILE > w.n {
+            return None;
+        }
+        scratch.resize(TILE * blocks, 0);
+        for kb in 0..blocks {
+            for half in 0..TILE / 16 {
+                let (bytes, at, step) = w.scale_run(n0 + half * 16, kb);
+                let run = &bytes[at..=at + 15 * step];
+                for (r, s) in scratch[kb * TILE + half * 16..][..16].iter_mut().enumerate() {
+                    *s = run[r * step];
+                }
+            }
+        }
+        // Folds (which vectorize) rather than early-exit searches (which do not).
+        let (min_scale, max_scale) = scratch.iter().fold((u8::MAX, 0), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+        let elements: &'a [u8] = w.elements;
+        let next = &elements[((n0 + TILE) * k).min(elements.len())..((n0 + 2 * TILE) * k).min(elements.len())];
+        Some(Self { elements: &elements[n0 * k..(n0 + TILE) * k], next, k, scales: scratch, min_scale, max_scale })
+    }
 }
 
 /// The plain triple loop: the yardstick for [`gemm`] (bit-identical by construction) and the
@@ -251,10 +295,11 @@ mod tests {
     }
 
     /// Every E4M3 byte against scales from tiny to huge, for every row count up to past the
-    /// fused path's limit and in every scale layout: the same bits as the plain loop, over
-    /// tiles at every position of a 128-row swizzle block, including the tiles the fused path
-    /// hands back (a NaN byte in rows 64..96, a scale above 246 in rows 160..192) and a partial
-    /// last tile (rows 288..312).
+    /// dot-product path's limit and in every scale layout: the same bits as the plain loop, over
+    /// tiles at every position of a 128-row swizzle block, including the tiles the fast paths
+    /// hand back (a NaN byte in rows 64..96, a scale above 246 in rows 160..192, tiny and huge
+    /// scales in rows 0..160 for the dot-product path), whole tiles it takes (rows 192..288) and
+    /// a partial last tile (rows 288..312).
     #[test]
     fn every_row_count_gives_the_plain_loops_bits_for_every_byte_and_scale() {
         let (n, k) = (312, 256);
@@ -273,6 +318,8 @@ mod tests {
         let s: Vec<u8> = (0..n * c)
             .map(|i| match (i / c, i % c) {
                 (160..192, kb) => 247 + (kb % 8) as u8,
+                // Whole tiles of ordinary scales, which the dot-product path takes.
+                (192..288, kb) => 120 + ((kb * 5 + i / c) % 15) as u8,
                 (row, kb) => match row % 4 {
                     0 => 120 + ((kb * 5 + row) % 15) as u8,
                     1 => [0u8, 1, 3][(kb + row) % 3],
@@ -288,7 +335,7 @@ mod tests {
         let mut packed = Vec::new();
         pack_ue8m0_mn_major(&s, 2, n / 2, c, &mut packed).unwrap();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for rows in 1..=fused::FUSED_MAX_ROWS + 1 {
+        for rows in 1..=dot::DOT_MAX_ROWS + 1 {
             let a = acts(rows, k);
             let reference = gemm_reference(&a, &plain).unwrap();
             let finite = reference.iter().filter(|x| x.is_finite() && **x != 0.0).count();

@@ -18,7 +18,7 @@
 //! Chosen at run time on x86-64 CPUs with AVX-512 F, BW and VBMI (and F16C); elsewhere
 //! [`tile`] declines every tile.
 
-use super::{TILE, WeightView};
+use super::{TILE, TileWeights};
 use crate::mxfp8::BLOCK;
 
 /// Activation rows up to which [`super::gemm`] takes this path: beyond it the tiled path's
@@ -40,46 +40,25 @@ pub(super) fn available() -> bool {
     }
 }
 
-/// `out[t * TILE + j] = sum_k a[t * k + kk] * w[n0 + j, kk]` for `t < rows` over the `TILE`
-/// weight rows from `n0`, with `scales` as scratch (at least `TILE * k / 32` bytes). Returns
-/// false, leaving `out` unspecified, when this path cannot give the exact result: no fused
-/// path on this CPU, `rows` outside `1..=FUSED_MAX_ROWS`, a partial tile, a NaN byte or a scale
-/// byte above 246 in the tile.
-pub(super) fn tile(w: &WeightView<'_>, a: &[f32], rows: usize, n0: usize, scales: &mut [u8], out: &mut [f32]) -> bool {
-    let k = w.k;
+/// `out[t * TILE + j] = sum_k a[t * k + kk] * w[j, kk]` for `t < rows` over the tile `w`.
+/// Returns false, leaving `out` unspecified, when this path cannot give the exact result: no
+/// fused path on this CPU, `rows` outside `1..=FUSED_MAX_ROWS`, a NaN byte or a scale byte above
+/// 246 in the tile.
+pub(super) fn tile(w: &TileWeights<'_>, a: &[f32], rows: usize, out: &mut [f32]) -> bool {
+    let (e, next, k, scales) = (w.elements, w.next, w.k, w.scales);
     let fits = (1..=FUSED_MAX_ROWS).contains(&rows)
         && k.is_multiple_of(BLOCK)
-        && n0 + TILE <= w.n
+        && e.len() == TILE * k
         && a.len() >= rows * k
         && out.len() >= rows * TILE
-        && scales.len() >= TILE * (k / BLOCK);
-    if !fits || !available() {
-        return false;
-    }
-    // The tile's scales, block-major: scales[kb * TILE + j] is row n0 + j's scale of block kb.
-    let blocks = k / BLOCK;
-    for kb in 0..blocks {
-        for half in 0..TILE / 16 {
-            let (bytes, at, step) = w.scale_run(n0 + half * 16, kb);
-            let run = &bytes[at..=at + 15 * step];
-            for (r, s) in scales[kb * TILE + half * 16..][..16].iter_mut().enumerate() {
-                *s = run[r * step];
-            }
-        }
-    }
-    // A maximum (which vectorizes) rather than an early-exit search (which does not).
-    if scales[..blocks * TILE].iter().fold(0, |m, &s| m.max(s)) > MAX_FOLDED_SCALE {
+        && scales.len() == TILE * (k / BLOCK);
+    if !fits || !available() || w.max_scale > MAX_FOLDED_SCALE {
         return false;
     }
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: the CPU has AVX-512 F/BW/VBMI, AVX2 and F16C (`available` above), and the
         // bounds `accumulate` relies on were checked above (`fits`).
-        let (e, scales) = (&w.elements[n0 * k..(n0 + TILE) * k], &scales[..blocks * TILE]);
-        // The tile after this one (the next a thread usually takes), fetched while this one is
-        // computed.
-        let next = &w.elements[((n0 + TILE) * k).min(w.elements.len())..((n0 + 2 * TILE) * k).min(w.elements.len())];
-        // SAFETY: as above.
         unsafe {
             match rows {
                 1 => avx512::accumulate::<1>(e, next, k, scales, a, out),
@@ -95,6 +74,7 @@ pub(super) fn tile(w: &WeightView<'_>, a: &[f32], rows: usize, n0: usize, scales
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
+        let _ = next;
         false
     }
 }
@@ -267,7 +247,7 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gemm::ScaleView;
+    use crate::gemm::{ScaleView, WeightView};
 
     /// What the fused path declines, it declines whole: a NaN byte anywhere in the tile, a scale
     /// byte above 246, a partial tile, or more rows than it takes (the tiled path computes
@@ -278,10 +258,10 @@ mod tests {
         let e: Vec<u8> = (0..n * k).map(|i| (i * 5 % 0x7E) as u8).collect();
         let s = vec![127u8; n * k / BLOCK];
         let a = vec![0.5f32; FUSED_MAX_ROWS * 2 * k];
-        let (mut scratch, mut out) = (vec![0u8; TILE * k / BLOCK], vec![0f32; 2 * FUSED_MAX_ROWS * TILE]);
+        let (mut scratch, mut out) = (Vec::new(), vec![0f32; 2 * FUSED_MAX_ROWS * TILE]);
         let mut takes = |e: &[u8], s: &[u8], rows: usize, n0: usize, n: usize| {
             let w = WeightView { elements: &e[..n * k], n, k, scales: ScaleView::RowMajor(&s[..n * k / BLOCK]) };
-            tile(&w, &a, rows, n0, &mut scratch, &mut out)
+            TileWeights::gather(&w, n0, &mut scratch).is_some_and(|t| tile(&t, &a, rows, &mut out))
         };
         assert_eq!(takes(&e, &s, 1, 32, n), available());
         assert_eq!(takes(&e, &s, FUSED_MAX_ROWS, 0, n), available());

@@ -1,0 +1,524 @@
+//! The GEMM for up to 16 activation rows on CPUs with AVX-512 BF16, where [`super::fused`]'s
+//! multiply and add per weight and row leaves the cores short of arithmetic (`bench-gemm`: T = 8
+//! at 0.17x the read roof): here one `vdpbf16ps` does the work of 32 of those pairs.
+//!
+//! Why the bits do not change. Both operands are MXFP8: an E4M3 value (4 significant bits)
+//! times a power of two. Each is therefore exactly a BF16 number (8 significant bits) when it is
+//! a normal one, and the product of two is exact in f32 (8 significant bits). `vdpbf16ps` adds
+//! the two products of a pair of BF16 lanes to its f32 accumulator one after the other, the high
+//! lane's first, each add rounded to nearest even: the same sequence of f32 adds of exact products
+//! that the plain loop performs (a multiply, rounded but exact, then an add), as long as the high
+//! lane holds `k` and the low lane `k + 1`. What the instruction does differently (inputs and
+//! results below the normal range read and written as zero) cannot happen when
+//!
+//! - every weight's scale byte is 10 ..= 246 and every activation is a normal BF16 value or zero
+//!   (no subnormal inputs), and
+//! - the finest step of any product, `2^(min weight scale - 136) * 2^(min activation exponent - 3)`,
+//!   is at least `2^-126`: every partial sum is a multiple of that step, so a nonzero one is
+//!   normal; and
+//! - no product reaches `2^128` (largest weight scale + largest activation exponent <= 245): an
+//!   overflowing partial sum is then infinite in both sequences, and a tile whose output is not
+//!   finite is handed back anyway.
+//!
+//! A tile outside those bounds, with a NaN byte, or with an output that is not finite, is handed
+//! back to the other paths. On top of the CPU flag, the instruction's order and rounding are
+//! checked once per process against the scalar sequence ([`available`]): a CPU that rounds the
+//! pair once, or adds the low lane first, never takes this path.
+//!
+//! Decoding a block of a 32-row tile (32 columns): the rows' bytes are loaded as 16 registers,
+//! the two bytes of each column pair swapped (so that `k` lands in the high lane), transposed as
+//! 16-bit pairs in two 8 x 8 word transposes, and regrouped so that each register holds one pair
+//! of columns of all 32 rows. Two 128-entry byte tables (`vpermi2b`) give the low and the high
+//! byte of each E4M3 magnitude as BF16, the sign is put back, and the scale is added to the
+//! exponent field of every nonzero weight. The NaN bytes are the only ones whose low table byte
+//! is `0xFF`, which one maximum per register finds.
+
+use super::{TILE, TileWeights};
+use crate::mxfp8::BLOCK;
+
+/// Activation rows up to which [`super::gemm`] takes this path.
+pub(super) const DOT_MAX_ROWS: usize = 16;
+
+/// Whether this CPU has the instructions and rounds `vdpbf16ps` as the plain loop does.
+pub(super) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static CHECKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *CHECKED.get_or_init(|| avx512::has_instructions() && avx512::rounds_as_the_plain_loop())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The activations as BF16 pairs, `pairs[t * k / 2 + i]` holding column `2i` in its high half and
+/// `2i + 1` in its low half, with the range of their exponents.
+#[derive(Debug)]
+pub(super) struct Activations {
+    pairs: Vec<u32>,
+    rows: usize,
+    k: usize,
+    /// Unbiased exponents of the smallest and the largest nonzero magnitude.
+    min_exp: i32,
+    max_exp: i32,
+}
+
+impl Activations {
+    /// `None` when the rows cannot take this path: more than [`DOT_MAX_ROWS`] of them, an odd
+    /// `k`, or a value that is not exactly a normal BF16 number or zero.
+    pub(super) fn new(a: &[f32], rows: usize, k: usize) -> Option<Self> {
+        if !(1..=DOT_MAX_ROWS).contains(&rows) || !k.is_multiple_of(BLOCK) || a.len() < rows * k || !available() {
+            return None;
+        }
+        let (mut min_exp, mut max_exp) = (i32::MAX, i32::MIN);
+        let mut pairs = Vec::with_capacity(rows * k / 2);
+        for pair in a[..rows * k].chunks_exact(2) {
+            for x in pair {
+                let bits = x.to_bits();
+                let field = (bits >> 23) & 0xFF;
+                if bits & 0x7FFF_FFFF == 0 {
+                    continue;
+                }
+                if bits & 0xFFFF != 0 || field == 0 || field == 0xFF {
+                    return None;
+                }
+                min_exp = min_exp.min(field as i32 - 127);
+                max_exp = max_exp.max(field as i32 - 127);
+            }
+            pairs.push((pair[0].to_bits() & 0xFFFF_0000) | (pair[1].to_bits() >> 16));
+        }
+        if min_exp > max_exp {
+            // All zero: any scale in range gives exact zero products.
+            (min_exp, max_exp) = (0, 0);
+        }
+        Some(Self { pairs, rows, k, min_exp, max_exp })
+    }
+
+    /// Whether weight scales `min ..= max` keep every product and partial sum normal and finite
+    /// (module docs).
+    fn admits(&self, min_scale: u8, max_scale: u8) -> bool {
+        let (min, max) = (i32::from(min_scale), i32::from(max_scale));
+        (10..=246).contains(&min) && max <= 246 && min + self.min_exp >= 13 && max + self.max_exp <= 245
+    }
+}
+
+/// `out[t * TILE + j] = sum_k a[t, k] * w[j, k]` over the tile `w`. False, leaving `out`
+/// unspecified, when this path cannot give the plain loop's bits (module docs).
+pub(super) fn tile(w: &TileWeights<'_>, a: &Activations, out: &mut [f32]) -> bool {
+    let k = a.k;
+    let fits = w.k == k && w.elements.len() == TILE * k && w.scales.len() == TILE * (k / BLOCK) && out.len() >= a.rows * TILE;
+    if !fits || !a.admits(w.min_scale, w.max_scale) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `Activations` exist only where `available` holds (the CPU has the
+        // instructions), and the bounds `accumulate` relies on were checked above.
+        unsafe { avx512::accumulate(w.elements, w.next, w.scales, a, out) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{Activations, BLOCK, TILE};
+    use crate::e4m3;
+
+    pub fn has_instructions() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vbmi")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+
+    /// Output rows of the accumulator lanes: a decoded register's dword `d` is row `LOW_ROWS[d]`
+    /// (the first one of a pair of registers) or `HIGH_ROWS[d]` (the second), as the regrouping
+    /// in [`decode_block`] leaves them.
+    const LOW_ROWS: [usize; 16] = [0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27];
+    const HIGH_ROWS: [usize; 16] = [4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31];
+
+    /// The BF16 bits of each E4M3 magnitude (index: the byte's low seven bits), low bytes then
+    /// high bytes; the NaN magnitude `0x7F` gets low byte `0xFF`, which no value's has (a value's
+    /// BF16 mantissa has at most its top three bits set).
+    fn tables() -> ([u8; 128], [u8; 128]) {
+        let (mut low, mut high) = ([0u8; 128], [0u8; 128]);
+        for b in 0..128u8 {
+            let bits = if e4m3::is_nan(b) { 0x00FF } else { (e4m3::to_f32(b).to_bits() >> 16) as u16 };
+            low[b as usize] = bits as u8;
+            high[b as usize] = (bits >> 8) as u8;
+        }
+        (low, high)
+    }
+
+    /// Runs `vdpbf16ps` on lanes whose exact products make its order and rounding visible
+    /// (sums that round differently when both products are added at once, or the low lane
+    /// first), and compares with the scalar sequence.
+    pub fn rounds_as_the_plain_loop() -> bool {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut value = |scale: i32| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            e4m3::to_f32(state as u8 & 0xFE) * crate::e8m0::pow2(scale)
+        };
+        let bf16 = |x: f32| x.to_bits() >> 16;
+        for round in 0..64 {
+            let (sw, sx) = (round % 24 - 12, (round * 7) % 24 - 12);
+            let mut lanes = [(0f32, 0u32, 0u32, 0f32); 16];
+            for lane in &mut lanes {
+                let (start, w_hi, w_lo, x_hi, x_lo) = (value(sw + sx + 2), value(sw), value(sw), value(sx), value(sx));
+                let want = (start + x_hi * w_hi) + x_lo * w_lo;
+                *lane = (start, (bf16(w_hi) << 16) | bf16(w_lo), (bf16(x_hi) << 16) | bf16(x_lo), want);
+            }
+            // SAFETY: the caller checked `has_instructions` first (`available`).
+            let got = unsafe { dot_once(lanes.map(|l| l.0), lanes.map(|l| l.1), lanes.map(|l| l.2)) };
+            if got.map(f32::to_bits) != lanes.map(|l| l.3.to_bits()) {
+                return false;
+            }
+        }
+        true
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    fn dot_once(starts: [f32; 16], w: [u32; 16], x: [u32; 16]) -> [f32; 16] {
+        let mut out = [0f32; 16];
+        // SAFETY: each array holds 16 lanes of 4 bytes.
+        unsafe {
+            let acc = _mm512_loadu_ps(starts.as_ptr());
+            let w: __m512bh = std::mem::transmute(_mm512_loadu_si512(w.as_ptr().cast()));
+            let x: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.as_ptr().cast()));
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_dpbf16_ps(acc, w, x));
+        }
+        out
+    }
+
+    /// An 8 x 8 transpose of 16-bit words in each 128-bit lane: on return, lane `L` of `x[p]`
+    /// holds word `p` of lane `L` of every input, input `i` at word `i`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn transpose_words(x: &mut [__m512i; 8]) {
+        let a: [__m512i; 8] = std::array::from_fn(|i| {
+            let (m, h) = (i / 2, i % 2);
+            if h == 0 { _mm512_unpacklo_epi16(x[2 * m], x[2 * m + 1]) } else { _mm512_unpackhi_epi16(x[2 * m], x[2 * m + 1]) }
+        });
+        // a[2m + h]: dword d holds inputs 2m, 2m+1 at word 4h + d.
+        let b: [__m512i; 8] = std::array::from_fn(|i| {
+            let (q, h, g) = (i / 4, (i / 2) % 2, i % 2);
+            let (u, v) = (a[4 * q + h], a[4 * q + 2 + h]);
+            if g == 0 { _mm512_unpacklo_epi32(u, v) } else { _mm512_unpackhi_epi32(u, v) }
+        });
+        // b[4q + 2h + g]: qword e holds inputs 4q .. 4q+3 at word 4h + 2g + e.
+        *x = std::array::from_fn(|i| {
+            let (hg, e) = (i / 2, i % 2);
+            if e == 0 { _mm512_unpacklo_epi64(b[hg], b[4 + hg]) } else { _mm512_unpackhi_epi64(b[hg], b[4 + hg]) }
+        });
+    }
+
+    /// The constants of a decode.
+    struct Decoder {
+        low: [__m512i; 2],
+        high: [__m512i; 2],
+        sign: __m512i,
+        magnitude: __m512i,
+        swap: __m512i,
+        /// `vpermb` indices putting the scale byte of the row of each dword of a low (high)
+        /// register in the low byte of both its words.
+        scale_index: [__m512i; 2],
+    }
+
+    impl Decoder {
+        #[target_feature(enable = "avx512f,avx512bw")]
+        fn new() -> Self {
+            let (low, high) = tables();
+            let load = |t: &[u8]| unsafe { _mm512_loadu_si512(t.as_ptr().cast()) };
+            let swap: [u8; 64] = std::array::from_fn(|b| (b ^ 1) as u8);
+            let scale_index = [LOW_ROWS, HIGH_ROWS].map(|rows| {
+                let index: [u8; 64] = std::array::from_fn(|b| rows[b / 4] as u8);
+                load(&index)
+            });
+            Self {
+                low: [load(&low[..64]), load(&low[64..])],
+                high: [load(&high[..64]), load(&high[64..])],
+                sign: _mm512_set1_epi8(0x80u8 as i8),
+                magnitude: _mm512_set1_epi16(0x7FFF),
+                swap: load(&swap),
+                scale_index,
+            }
+        }
+
+        /// The 16 column pairs of block `kb` of the tile at `ep` (`TILE` rows of `k` bytes):
+        /// `w[2i]` and `w[2i + 1]` hold pair `i` (columns `2i`, `2i + 1`: `k` in each dword's high
+        /// half) of the rows [`LOW_ROWS`] and [`HIGH_ROWS`], scaled by `scales` (the 32 rows'
+        /// scale bytes of the block, in row order). Returns `nan` raised to `0xFF` in some byte
+        /// when the block has a NaN byte.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+        unsafe fn block(&self, ep: *const u8, k: usize, kb: usize, scales: *const u8, w: &mut [__m512i; 32], mut nan: __m512i) -> __m512i {
+            const HALF: usize = TILE / 2;
+            // r[i]: lanes 0, 1 = row i, columns 0..32 of the block; lanes 2, 3 = row i + 16; the
+            // bytes of each column pair swapped. SAFETY: row i + HALF < TILE and
+            // kb * BLOCK + 32 <= k (the caller's bounds).
+            let r: [__m512i; 16] = std::array::from_fn(|i| unsafe {
+                let lo = _mm256_loadu_si256(ep.add(i * k + kb * BLOCK).cast());
+                let hi = _mm256_loadu_si256(ep.add((i + HALF) * k + kb * BLOCK).cast());
+                _mm512_shuffle_epi8(_mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi), self.swap)
+            });
+            // Group a: rows 0..8 and 16..24; group b: rows 8..16 and 24..32. After the
+            // transposes, lane 0 of a[p] holds pair p of rows 0..8, lane 1 pair 8 + p, lane 2
+            // pair p of rows 16..24, lane 3 pair 8 + p of them.
+            let mut a: [__m512i; 8] = std::array::from_fn(|i| r[i]);
+            let mut b: [__m512i; 8] = std::array::from_fn(|i| r[8 + i]);
+            transpose_words(&mut a);
+            transpose_words(&mut b);
+            // SAFETY: 32 scale bytes at `scales` (the caller's bounds).
+            let s = unsafe { _mm512_castsi256_si512(_mm256_loadu_si256(scales.cast())) };
+            let exponent: [__m512i; 2] = std::array::from_fn(|h| {
+                // (scale - 127) << 7 in both words of each dword: the BF16 exponent's change.
+                let bytes = _mm512_maskz_permutexvar_epi8(0x5555_5555_5555_5555, self.scale_index[h], s);
+                _mm512_slli_epi16::<7>(_mm512_sub_epi16(bytes, _mm512_set1_epi16(127)))
+            });
+            for p in 0..8 {
+                // Pair p of all 32 rows (lanes: rows 0..8, 16..24, 8..16, 24..32), then pair 8 + p.
+                let pairs = [_mm512_shuffle_i64x2::<0x88>(a[p], b[p]), _mm512_shuffle_i64x2::<0xDD>(a[p], b[p])];
+                for (half, x) in pairs.into_iter().enumerate() {
+                    let low = _mm512_permutex2var_epi8(self.low[0], x, self.low[1]);
+                    nan = _mm512_max_epu8(nan, low);
+                    // The magnitude's high byte with the sign put back: high | (x & 0x80).
+                    let high = _mm512_ternarylogic_epi32::<0xF8>(_mm512_permutex2var_epi8(self.high[0], x, self.high[1]), x, self.sign);
+                    let at = 2 * (8 * half + p);
+                    for (h, word) in [_mm512_unpacklo_epi8(low, high), _mm512_unpackhi_epi8(low, high)].into_iter().enumerate() {
+                        let nonzero = _mm512_test_epi16_mask(word, self.magnitude);
+                        w[at + h] = _mm512_mask_add_epi16(word, nonzero, word, exponent[h]);
+                    }
+                }
+            }
+            nan
+        }
+    }
+
+    /// Adds block `kb`'s 16 decoded pairs times rows `t0 .. t0 + ROWS` of the activations to
+    /// `acc[t0..]`, pair by pair in increasing `k`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    fn add_block<const ROWS: usize>(acc: &mut [[__m512; 2]], w: &[__m512i; 32], a: &Activations, t0: usize, kb: usize) {
+        let mut sums: [[__m512; 2]; ROWS] = std::array::from_fn(|t| acc[t0 + t]);
+        let per_row = a.k / 2;
+        for (i, pair) in w.chunks_exact(2).enumerate() {
+            // SAFETY: the same size and bits; `__m512bh` is 32 BF16 lanes.
+            let (lo, hi): (__m512bh, __m512bh) =
+                unsafe { (std::mem::transmute::<__m512i, __m512bh>(pair[0]), std::mem::transmute::<__m512i, __m512bh>(pair[1])) };
+            for (t, sum) in sums.iter_mut().enumerate() {
+                let x = a.pairs[(t0 + t) * per_row + kb * (BLOCK / 2) + i];
+                // SAFETY: as above.
+                let x: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(x as i32)) };
+                sum[0] = _mm512_dpbf16_ps(sum[0], lo, x);
+                sum[1] = _mm512_dpbf16_ps(sum[1], hi, x);
+            }
+        }
+        acc[t0..t0 + ROWS].copy_from_slice(&sums);
+    }
+
+    /// The tile (bounds checked by the caller): false when a byte is NaN or an output is not
+    /// finite.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16")]
+    pub unsafe fn accumulate(e: &[u8], next: &[u8], scales: &[u8], a: &Activations, out: &mut [f32]) -> bool {
+        let k = a.k;
+        assert!(e.len() == TILE * k && scales.len() == TILE * (k / BLOCK) && out.len() >= a.rows * TILE && a.pairs.len() == a.rows * k / 2);
+        let decoder = Decoder::new();
+        let mut acc = [[_mm512_setzero_ps(); 2]; super::DOT_MAX_ROWS];
+        let mut w = [_mm512_setzero_si512(); 32];
+        let mut nan = _mm512_setzero_si512();
+        for kb in 0..k / BLOCK {
+            // One block's worth of the next tile per block of this one (as in `fused`).
+            if let Some(lines) = next.get(kb * TILE * BLOCK..(kb + 1) * TILE * BLOCK) {
+                for line in lines.chunks(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
+                }
+            }
+            // SAFETY: the bounds asserted above.
+            nan = unsafe { decoder.block(e.as_ptr(), k, kb, scales.as_ptr().add(kb * TILE), &mut w, nan) };
+            let mut t0 = 0;
+            while t0 < a.rows {
+                let rows = (a.rows - t0).min(8);
+                match rows {
+                    1 => add_block::<1>(&mut acc, &w, a, t0, kb),
+                    2 => add_block::<2>(&mut acc, &w, a, t0, kb),
+                    3 => add_block::<3>(&mut acc, &w, a, t0, kb),
+                    4 => add_block::<4>(&mut acc, &w, a, t0, kb),
+                    5 => add_block::<5>(&mut acc, &w, a, t0, kb),
+                    6 => add_block::<6>(&mut acc, &w, a, t0, kb),
+                    7 => add_block::<7>(&mut acc, &w, a, t0, kb),
+                    _ => add_block::<8>(&mut acc, &w, a, t0, kb),
+                }
+                t0 += rows;
+            }
+        }
+        if _mm512_cmpeq_epi8_mask(nan, _mm512_set1_epi8(-1)) != 0 {
+            return false;
+        }
+        for (t, sums) in acc[..a.rows].iter().enumerate() {
+            for (sum, rows) in sums.iter().zip([LOW_ROWS, HIGH_ROWS]) {
+                let mut lanes = [0f32; 16];
+                // SAFETY: 16 lanes of 4 bytes.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *sum) };
+                for (v, row) in lanes.into_iter().zip(rows) {
+                    if !v.is_finite() {
+                        return false;
+                    }
+                    out[t * TILE + row] = v;
+                }
+            }
+        }
+        true
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn words_transpose_to_columns() {
+            if !has_instructions() {
+                return;
+            }
+            let input: [[u16; 32]; 8] = std::array::from_fn(|i| std::array::from_fn(|w| (i * 32 + w) as u16 ^ 0x5A5A));
+            // SAFETY: the CPU has AVX-512 F and BW (checked above).
+            let got = unsafe {
+                let mut x = input.map(|row| _mm512_loadu_si512(row.as_ptr().cast()));
+                transpose_words(&mut x);
+                x.map(|v| {
+                    let mut words = [0u16; 32];
+                    _mm512_storeu_si512(words.as_mut_ptr().cast(), v);
+                    words
+                })
+            };
+            for (p, row) in got.iter().enumerate() {
+                for lane in 0..4 {
+                    for i in 0..8 {
+                        assert_eq!(row[lane * 8 + i], input[i][lane * 8 + p], "output {p}, lane {lane}, word {i}");
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn this_cpu_rounds_the_pairs_in_order_or_the_path_is_off() {
+            if has_instructions() {
+                // The development and CI machines (AMD Zen 5) round as the plain loop does; a
+                // CPU that does not must fail this check, never the GEMM's bits.
+                assert_eq!(super::super::available(), rounds_as_the_plain_loop());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::e4m3;
+    use crate::gemm::{MxMatrix, ScaleView, WeightView, gemm_reference};
+    use crate::mxfp8::ScaleRule;
+
+    /// Two tiles, every E4M3 byte but NaN (signed zeros and a zero row among them), against
+    /// activations spanning 2^-10 .. 2^5; scales exactly at the bounds of the module docs.
+    struct Case {
+        e: Vec<u8>,
+        n: usize,
+        k: usize,
+    }
+
+    impl Case {
+        fn new() -> Self {
+            let (n, k) = (2 * TILE, 256);
+            let mut e: Vec<u8> = (0..n * k).map(|i| (i * 7 + i / k * 3) as u8).map(|b| if e4m3::is_nan(b) { 0x80 } else { b }).collect();
+            e[5 * k..6 * k].fill(0);
+            Self { e, n, k }
+        }
+
+        fn acts(&self, rows: usize) -> (MxMatrix, Activations) {
+            let v: Vec<f32> =
+                (0..rows * self.k).map(|i| ((i * 37 % 101) as f32 - 50.0) * crate::e8m0::pow2((i % 16) as i32 - 10)).collect();
+            let m = MxMatrix::quantize(&v, self.k, ScaleRule::Rceil).unwrap();
+            let a = Activations::new(&m.dequantize(), rows, self.k).expect("MXFP8 values are BF16 values");
+            (m, a)
+        }
+
+        /// `tile`'s output for tile `which` with scale bytes `scale(row, block)`, next to the plain
+        /// loop's, as bits; None when the path declines it.
+        fn run(&self, rows: usize, which: usize, scale: impl Fn(usize, usize) -> u8) -> Option<(Vec<u32>, Vec<u32>)> {
+            let c = self.k / BLOCK;
+            let s: Vec<u8> = (0..self.n * c).map(|i| scale(i / c, i % c)).collect();
+            let w = WeightView { elements: &self.e, n: self.n, k: self.k, scales: ScaleView::RowMajor(&s) };
+            let (m, a) = self.acts(rows);
+            let mut scratch = Vec::new();
+            let weights = TileWeights::gather(&w, which * TILE, &mut scratch).unwrap();
+            let mut out = vec![0f32; rows * TILE];
+            if !tile(&weights, &a, &mut out) {
+                return None;
+            }
+            let want = gemm_reference(&m, &w).unwrap();
+            let want = (0..rows).flat_map(|t| want[t * self.n + which * TILE..][..TILE].to_vec()).map(f32::to_bits).collect();
+            Some((out.into_iter().map(f32::to_bits).collect(), want))
+        }
+    }
+
+    #[test]
+    fn the_dot_path_gives_the_plain_loops_bits_up_to_the_edges_of_its_range() {
+        if !available() {
+            return;
+        }
+        let case = Case::new();
+        for rows in 1..=DOT_MAX_ROWS {
+            let a = case.acts(rows).1;
+            // The smallest weight scale the bounds admit, in some blocks of each row.
+            let low = (13 - a.min_exp).max(10) as u8;
+            let (got, want) = case.run(rows, 0, |r, kb| low + ((r + kb) % 3) as u8).expect("in range");
+            assert_eq!(got, want, "{rows} rows, smallest scales");
+            assert!(got.iter().filter(|&&b| b & 0x7FFF_FFFF != 0).count() > got.len() / 2);
+            // The largest.
+            let high = (245 - a.max_exp).min(246) as u8;
+            let (got, want) = case.run(rows, 1, |r, kb| high - ((r * 5 + kb) % 4) as u8).expect("in range");
+            assert_eq!(got, want, "{rows} rows, largest scales");
+            // One past each bound is declined.
+            assert!(case.run(rows, 0, |r, kb| if (r, kb) == (40, 3) { low - 1 } else { low }).is_some(), "another tile");
+            assert!(case.run(rows, 1, |r, kb| if (r, kb) == (40, 3) { low - 1 } else { low }).is_none(), "below the range");
+            assert!(case.run(rows, 1, |r, kb| if (r, kb) == (33, 7) { high + 1 } else { high }).is_none(), "above the range");
+        }
+    }
+
+    #[test]
+    fn the_dot_path_declines_nan_bytes_infinite_outputs_and_values_that_are_not_bf16() {
+        if !available() {
+            return;
+        }
+        let mut case = Case::new();
+        assert!(case.run(3, 0, |_, _| 120).is_some());
+        case.e[7 * case.k + 100] = 0x7F;
+        assert!(case.run(3, 0, |_, _| 120).is_none(), "a NaN byte");
+        assert!(case.run(3, 1, |_, _| 120).is_some(), "the other tile");
+        case.e[7 * case.k + 100] = 0xFF;
+        assert!(case.run(3, 0, |_, _| 120).is_none(), "a negative NaN byte");
+        // Sums that overflow f32 though each product is finite: the largest weights, with the
+        // signs of the activations, at the largest scale the bounds admit.
+        let mut huge = Case::new();
+        let (m, a) = huge.acts(1);
+        let x = m.dequantize();
+        huge.e = (0..huge.n * huge.k).map(|i| if x[i % huge.k] < 0.0 { 0xFE } else { 0x7E }).collect();
+        let top = (245 - a.max_exp) as u8;
+        assert!(huge.run(1, 0, |_, _| top).is_none(), "an infinite output");
+        assert!(huge.run(1, 0, |_, _| top - 20).is_some(), "the same, 2^-20 times as large");
+        // Values that are not BF16 numbers, subnormal values, too many rows.
+        let k = 64;
+        assert!(Activations::new(&vec![1.0 + f32::EPSILON; k], 1, k).is_none());
+        assert!(Activations::new(&vec![f32::MIN_POSITIVE / 2.0; k], 1, k).is_none());
+        assert!(Activations::new(&vec![f32::INFINITY; k], 1, k).is_none());
+        assert!(Activations::new(&vec![1.5; k * (DOT_MAX_ROWS + 1)], DOT_MAX_ROWS + 1, k).is_none());
+        assert!(Activations::new(&vec![-0.0; k], 1, k).is_some());
+    }
+}
