@@ -309,14 +309,16 @@ mod avx512 {
     fn add_block<const ROWS: usize>(acc: &mut [[__m512; 2]], w: &[__m512i; 32], a: &Activations, t0: usize, kb: usize) {
         let mut sums: [[__m512; 2]; ROWS] = std::array::from_fn(|t| acc[t0 + t]);
         let per_row = a.k / 2;
+        // Each row's 16 pairs of this block (slices of a known length: no bounds checks below).
+        let x: [&[u32; 16]; ROWS] =
+            std::array::from_fn(|t| a.pairs[(t0 + t) * per_row + kb * (BLOCK / 2)..][..16].try_into().expect("16 pairs"));
         for (i, pair) in w.chunks_exact(2).enumerate() {
             // SAFETY: the same size and bits; `__m512bh` is 32 BF16 lanes.
             let (lo, hi): (__m512bh, __m512bh) =
                 unsafe { (std::mem::transmute::<__m512i, __m512bh>(pair[0]), std::mem::transmute::<__m512i, __m512bh>(pair[1])) };
-            for (t, sum) in sums.iter_mut().enumerate() {
-                let x = a.pairs[(t0 + t) * per_row + kb * (BLOCK / 2) + i];
+            for (sum, x) in sums.iter_mut().zip(&x) {
                 // SAFETY: as above.
-                let x: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(x as i32)) };
+                let x: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(x[i] as i32)) };
                 sum[0] = _mm512_dpbf16_ps(sum[0], lo, x);
                 sum[1] = _mm512_dpbf16_ps(sum[1], hi, x);
             }
