@@ -80,9 +80,11 @@ impl Endpoint {
         if let Some(t) = &self.tls {
             auth.push_str(&format!(" --tls-dir {}", t.dir.display()));
         }
-        orchestrator_worker::status!(; "serving: `orchestrator report {auth}` re-runs the checks; `orchestrator shutdown {auth}` stops");
         let health = tokio::spawn(health_loop(session.clone(), self.health.clone()));
+        // The session first, then the line that tells users (and scripts) to call: a call made
+        // as soon as it is printed finds the cluster serving.
         *self.session.write().unwrap_or_else(|p| p.into_inner()) = Some(session);
+        orchestrator_worker::status!(; "serving: `orchestrator report {auth}` re-runs the checks; `orchestrator shutdown {auth}` stops");
         tokio::select! {
             _ = self.shutdown.notified() => {}
             _ = signal => {}
