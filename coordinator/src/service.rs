@@ -156,6 +156,9 @@ async fn run_update(
         let mut st = session.state();
         st.source_desc = format!("checkpoint {} (rolled out)", outcome.checkpoint);
         st.current_source = crate::journal::SourceRecord::Checkpoint { dir: dir.to_path_buf() };
+        // From now on the report's timings are the update's: the launch's load no longer
+        // describes what serves (each rank's row shows its own staging).
+        st.timings = [("update".to_string(), outcome.seconds)].into();
     }
     // The consistency report after the update (versions included).
     let report = session.check(true).await;

@@ -237,6 +237,10 @@ fn a_version_is_verified_against_the_reference_once_and_later_replicas_by_identi
     let load: Vec<f64> = report["ranks"].as_array().unwrap().iter().map(|r| r["load_seconds"].as_f64().unwrap()).collect();
     assert!(load.iter().all(|s| *s > 0.0), "{load:?}");
     assert!(load.iter().zip(&launched).all(|(after, before)| after != before), "staging times {load:?}, launch {launched:?}");
+    // And the report's timings are the update's, with none of the launch's.
+    let timings = &report["timings"];
+    assert_eq!(timings["update"].as_f64(), doc["update"]["seconds"].as_f64(), "{timings}");
+    assert!(timings.get("load").is_none() && timings.get("startup").is_none() && timings.get("total").is_none(), "{timings}");
 }
 
 /// The first replica's round trip runs while it stages (it is what verification reads): a rank
