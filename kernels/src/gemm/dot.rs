@@ -252,21 +252,21 @@ mod avx512 {
             }
         }
 
-        /// The 16 column pairs of block `kb` of the tile at `ep` (`TILE` rows of `k` bytes):
+        /// The 16 column pairs of the block whose 32 bytes of row `i` lie at `ep + i * stride`:
         /// `w[2i]` and `w[2i + 1]` hold pair `i` (columns `2i`, `2i + 1`: `k` in each dword's high
         /// half) of the rows [`LOW_ROWS`] and [`HIGH_ROWS`], scaled by `scales` (the 32 rows'
         /// scale bytes of the block, in row order). Returns `nan` raised to `0xFF` in some byte
         /// when the block has a NaN byte.
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-        unsafe fn block(&self, ep: *const u8, k: usize, kb: usize, scales: *const u8, w: &mut [__m512i; 32], mut nan: __m512i) -> __m512i {
+        unsafe fn block(&self, ep: *const u8, stride: usize, scales: *const u8, w: &mut [__m512i; 32], mut nan: __m512i) -> __m512i {
             const HALF: usize = TILE / 2;
             // r[i]: lanes 0, 1 = row i, columns 0..32 of the block; lanes 2, 3 = row i + 16; the
-            // bytes of each column pair swapped. SAFETY: row i + HALF < TILE and
-            // kb * BLOCK + 32 <= k (the caller's bounds).
+            // bytes of each column pair swapped. SAFETY: 32 readable bytes at each row (the
+            // caller's bounds).
             let r: [__m512i; 16] = std::array::from_fn(|i| unsafe {
-                let lo = _mm256_loadu_si256(ep.add(i * k + kb * BLOCK).cast());
-                let hi = _mm256_loadu_si256(ep.add((i + HALF) * k + kb * BLOCK).cast());
+                let lo = _mm256_loadu_si256(ep.add(i * stride).cast());
+                let hi = _mm256_loadu_si256(ep.add((i + HALF) * stride).cast());
                 _mm512_shuffle_epi8(_mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi), self.swap)
             });
             // Group a: rows 0..8 and 16..24; group b: rows 8..16 and 24..32. After the
@@ -336,6 +336,11 @@ mod avx512 {
         let mut acc = [[_mm512_setzero_ps(); 2]; super::DOT_MAX_ROWS];
         let mut w = [_mm512_setzero_si512(); 32];
         let mut nan = _mm512_setzero_si512();
+        // Two blocks of each row (one cache line) copied together, so that each line is read
+        // from memory once: the second block's 32 rows would otherwise read lines that the first
+        // block's evicted where rows lie a multiple of 4 KiB apart (`wo_a`'s 4096 columns,
+        // `wo_b`'s 2048: 32 rows in one L1 set of 12 ways).
+        let mut lines = [_mm512_setzero_si512(); TILE];
         for kb in 0..k / BLOCK {
             // One block's worth of the next tile per block of this one (as in `fused`).
             if let Some(lines) = next.get(kb * TILE * BLOCK..(kb + 1) * TILE * BLOCK) {
@@ -343,8 +348,21 @@ mod avx512 {
                     _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
                 }
             }
-            // SAFETY: the bounds asserted above.
-            nan = unsafe { decoder.block(e.as_ptr(), k, kb, scales.as_ptr().add(kb * TILE), &mut w, nan) };
+            let (from, stride) = if kb % 2 == 0 && (kb + 2) * BLOCK <= k {
+                for (i, line) in lines.iter_mut().enumerate() {
+                    // SAFETY: row i < TILE and (kb + 2) * BLOCK <= k: 64 bytes inside `e`.
+                    *line = unsafe { _mm512_loadu_si512(e.as_ptr().add(i * k + kb * BLOCK).cast()) };
+                }
+                (lines.as_ptr().cast::<u8>(), 64)
+            } else if kb % 2 == 1 {
+                // SAFETY: the second half of each copied line.
+                (unsafe { lines.as_ptr().cast::<u8>().add(BLOCK) }, 64)
+            } else {
+                // SAFETY: within `e` (the bounds asserted above).
+                (unsafe { e.as_ptr().add(kb * BLOCK) }, k)
+            };
+            // SAFETY: 32 bytes at each of the TILE rows of `from`.
+            nan = unsafe { decoder.block(from, stride, scales.as_ptr().add(kb * TILE), &mut w, nan) };
             let mut t0 = 0;
             while t0 < a.rows {
                 let rows = (a.rows - t0).min(8);
