@@ -2,7 +2,8 @@
 //! [`super::tile`]'s dequantize-to-memory-then-accumulate spends most of its time writing and
 //! re-reading f32 tiles: here a tile's E4M3 bytes are transposed as bytes in registers,
 //! decoded, scaled and accumulated straight into the outputs, and nothing is stored but the
-//! outputs.
+//! outputs. Where the CPU has AVX-512 BF16, [`super::dot`] takes these tiles first; this path
+//! computes those it hands back and serves CPUs without it.
 //!
 //! The arithmetic is that of [`super::tile`], value for value: each weight is the E4M3 byte as
 //! a half (the value / 256), widened to f32 and multiplied once by `256 * scale`; each output
