@@ -18,9 +18,10 @@
 #
 # What it does:
 #   1. installs podman, runc, catatonit (pod infra), netavark and aardvark-dns (pod names in
-#      DNS), python3-yaml and iproute2 with apt-get when missing (kubectl, for `kubectl
-#      kustomize`, must be there), and writes a containers.conf in a temporary directory (runc,
-#      cgroupfs, file events logger, explicit ulimits, netavark), used via CONTAINERS_CONF;
+#      DNS), iptables (netavark's rules), python3-yaml and iproute2 with apt-get when missing
+#      (kubectl, for `kubectl kustomize`, must be there), and writes a containers.conf in a
+#      temporary directory (runc, cgroupfs, file events logger, explicit ulimits, netavark),
+#      used via CONTAINERS_CONF;
 #   2. builds an image with `podman import` of a root filesystem holding the two binaries and
 #      the shared libraries `ldd` names (no pull, no base image), and a throwaway token and TLS
 #      directory (`orchestrator tls generate`) for this run;
@@ -85,6 +86,9 @@ command -v catatonit > /dev/null || [ -x /usr/libexec/podman/catatonit ] || need
 [ -x /usr/lib/podman/netavark ] || [ -x /usr/libexec/podman/netavark ] || need+=(netavark)
 [ -x /usr/lib/podman/aardvark-dns ] || [ -x /usr/libexec/podman/aardvark-dns ] || need+=(aardvark-dns)
 command -v ip > /dev/null || need+=(iproute2)
+# netavark writes the network's firewall and NAT rules with iptables: without it, starting a
+# container fails with "netavark: No such file or directory (os error 2)".
+command -v iptables > /dev/null || [ -x /usr/sbin/iptables ] || need+=(iptables)
 PY=
 for cand in /usr/bin/python3 python3; do
   if command -v "$cand" > /dev/null && "$cand" -c 'import yaml' 2> /dev/null; then PY=$(command -v "$cand"); break; fi
