@@ -143,17 +143,36 @@ mod avx512 {
     const LOW_ROWS: [usize; 16] = [0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27];
     const HIGH_ROWS: [usize; 16] = [4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31];
 
-    /// The BF16 bits of each E4M3 magnitude (index: the byte's low seven bits), low bytes then
-    /// high bytes; the NaN magnitude `0x7F` gets low byte `0xFF`, which no value's has (a value's
-    /// BF16 mantissa has at most its top three bits set).
-    fn tables() -> ([u8; 128], [u8; 128]) {
-        let (mut low, mut high) = ([0u8; 128], [0u8; 128]);
-        for b in 0..128u8 {
-            let bits = if e4m3::is_nan(b) { 0x00FF } else { (e4m3::to_f32(b).to_bits() >> 16) as u16 };
-            low[b as usize] = bits as u8;
-            high[b as usize] = (bits >> 8) as u8;
-        }
-        (low, high)
+    /// The byte constants of a decode, made once per process rather than once per tile.
+    struct Bytes {
+        /// The BF16 bits of each E4M3 magnitude (index: the byte's low seven bits), low bytes
+        /// and high bytes; the NaN magnitude `0x7F` gets low byte `0xFF`, which no value's has
+        /// (a value's BF16 mantissa has at most its top three bits set).
+        low: [u8; 128],
+        high: [u8; 128],
+        /// `vpshufb` indices swapping the two bytes of each 16-bit word.
+        swap: [u8; 64],
+        /// `vpermb` indices putting the scale byte of the row of each dword of a low (high)
+        /// register in the low byte of both its words.
+        scale_index: [[u8; 64]; 2],
+    }
+
+    fn bytes() -> &'static Bytes {
+        static BYTES: std::sync::OnceLock<Bytes> = std::sync::OnceLock::new();
+        BYTES.get_or_init(|| {
+            let (mut low, mut high) = ([0u8; 128], [0u8; 128]);
+            for b in 0..128u8 {
+                let bits = if e4m3::is_nan(b) { 0x00FF } else { (e4m3::to_f32(b).to_bits() >> 16) as u16 };
+                low[b as usize] = bits as u8;
+                high[b as usize] = (bits >> 8) as u8;
+            }
+            Bytes {
+                low,
+                high,
+                swap: std::array::from_fn(|b| (b ^ 1) as u8),
+                scale_index: [LOW_ROWS, HIGH_ROWS].map(|rows| std::array::from_fn(|b| rows[b / 4] as u8)),
+            }
+        })
     }
 
     /// Runs `vdpbf16ps` on lanes whose exact products make its order and rounding visible
@@ -227,28 +246,22 @@ mod avx512 {
         sign: __m512i,
         magnitude: __m512i,
         swap: __m512i,
-        /// `vpermb` indices putting the scale byte of the row of each dword of a low (high)
-        /// register in the low byte of both its words.
         scale_index: [__m512i; 2],
     }
 
     impl Decoder {
         #[target_feature(enable = "avx512f,avx512bw")]
         fn new() -> Self {
-            let (low, high) = tables();
-            let load = |t: &[u8]| unsafe { _mm512_loadu_si512(t.as_ptr().cast()) };
-            let swap: [u8; 64] = std::array::from_fn(|b| (b ^ 1) as u8);
-            let scale_index = [LOW_ROWS, HIGH_ROWS].map(|rows| {
-                let index: [u8; 64] = std::array::from_fn(|b| rows[b / 4] as u8);
-                load(&index)
-            });
+            let b = bytes();
+            // SAFETY: each slice holds 64 bytes.
+            let load = |t: &[u8]| unsafe { _mm512_loadu_si512(t[..64].as_ptr().cast()) };
             Self {
-                low: [load(&low[..64]), load(&low[64..])],
-                high: [load(&high[..64]), load(&high[64..])],
+                low: [load(&b.low[..64]), load(&b.low[64..])],
+                high: [load(&b.high[..64]), load(&b.high[64..])],
                 sign: _mm512_set1_epi8(0x80u8 as i8),
                 magnitude: _mm512_set1_epi16(0x7FFF),
-                swap: load(&swap),
-                scale_index,
+                swap: load(&b.swap),
+                scale_index: [load(&b.scale_index[0]), load(&b.scale_index[1])],
             }
         }
 
