@@ -637,10 +637,26 @@ impl Cluster {
         self.reports_in(None, false).await
     }
 
+    /// Every rank's report on its active weights, the ranks of the `swapped` replicas each with
+    /// the round trip of the stage their weights were committed from, while they still hold
+    /// that generation (the report an update answers with: see `kept_round_trip` in the proto).
+    pub async fn reports_after_update(&self, swapped: &[u32]) -> RankResults<pb::RankReport> {
+        let groups = (0..self.dp).map(|dp| self.reports_with(Some(dp), false, swapped.contains(&dp)));
+        futures_util::future::join_all(groups).await.into_iter().flatten().collect()
+    }
+
     /// The reports of one replica's ranks (or all), on their active or staged weights.
     pub async fn reports_in(&self, group: Option<u32>, shadow: bool) -> RankResults<pb::RankReport> {
+        self.reports_with(group, shadow, false).await
+    }
+
+    async fn reports_with(&self, group: Option<u32>, shadow: bool, kept_round_trip: bool) -> RankResults<pb::RankReport> {
         self.fan_out_in(group, |w, mut client| {
-            let req = orchestrator_worker::auth::request(pb::ReportRequest { shadow, brief: false }, REPORT_DEADLINE, Some(&self.token));
+            let req = orchestrator_worker::auth::request(
+                pb::ReportRequest { shadow, brief: false, kept_round_trip },
+                REPORT_DEADLINE,
+                Some(&self.token),
+            );
             let label = w.label();
             async move { client.report(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: report: {}", s.message())) }
         })

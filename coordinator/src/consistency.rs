@@ -73,6 +73,12 @@ pub struct ProbeCell {
     /// replica's, and its `y` must equal that replica's ("every DP replica has the same y").
     #[serde(skip_serializing_if = "Option::is_none")]
     pub verified_by_replica: Option<u32>,
+    /// Set in the report an update answers with: this is the probe that brought the replica
+    /// back into rotation right after its swap, the same probe checked the same way as this
+    /// report's would be, and the rank still reports the pid, generation and version it
+    /// answered on (so it was not run again).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub after_swap: bool,
 }
 
 impl From<&pb::ProbeResult> for ProbeCell {
@@ -89,6 +95,7 @@ impl From<&pb::ProbeResult> for ProbeCell {
             reference_seconds: p.reference_seconds,
             allreduce_seconds: p.allreduce_seconds,
             verified_by_replica: None,
+            after_swap: false,
         }
     }
 }

@@ -161,7 +161,7 @@ async fn run_update(
         st.timings = [("update".to_string(), outcome.seconds)].into();
     }
     // The consistency report after the update (versions included).
-    let report = session.check(true).await;
+    let report = session.check_after_update(true, &outcome.swap_probes).await;
     let ok = outcome.ok && report.ok;
     let mut text = String::new();
     for step in &outcome.steps {

@@ -20,7 +20,7 @@ use crate::consistency::{ConsistencyReport, evaluate, failed_row, row};
 use crate::journal::{Event, Journal, SourceRecord};
 use crate::rollout::{CommitStatus, HealthAction, health_action};
 use crate::rotation::Rotation;
-use crate::update::{Proof, drive_commit, judge_probe, try_reinstate};
+use crate::update::{Proof, SwapProbe, drive_commit, judge_probe, try_reinstate};
 
 /// The probe an update verifies with (and the health loop reinstates with) when the cluster has
 /// no `--probe` of its own.
@@ -72,20 +72,46 @@ impl Session {
     /// failed row naming why, and the other ranks' rows show what they hold. A replica whose
     /// probe fails leaves rotation (the health loop brings it back after a passing probe).
     pub async fn check(&self, probe: bool) -> ConsistencyReport {
+        self.check_after_update(probe, &BTreeMap::new()).await
+    }
+
+    /// [`Session::check`] right after an update: a replica whose probe after its swap
+    /// (`swap_probes`) is the probe this report would run (the same spec, against the
+    /// reference where the report's plan runs it) is not probed again while every one of its
+    /// ranks still reports the pid, generation and version that probe answered on: the
+    /// weights it probed are the ones the rank holds, and a probe is a function of them.
+    pub async fn check_after_update(&self, probe: bool, swap_probes: &BTreeMap<u32, SwapProbe>) -> ConsistencyReport {
         let mut probe_errors: BTreeMap<u32, String> = BTreeMap::new();
         let mut probes = BTreeMap::new();
         let mut timings = self.state().timings.clone();
         // Reports first: which replicas are byte-identical to an earlier one decides which run
         // the reference.
         let t = Instant::now();
-        let reports = self.cluster.reports().await;
+        let swapped: Vec<u32> = swap_probes.keys().copied().collect();
+        let reports = if swapped.is_empty() { self.cluster.reports().await } else { self.cluster.reports_after_update(&swapped).await };
         let report_s = t.elapsed().as_secs_f64();
         let by_rank: Vec<(u32, u32, &pb::RankReport)> =
             self.cluster.workers.iter().filter_map(|w| reports.get(&w.id).and_then(|r| r.as_ref().ok()).map(|r| (w.dp, w.tp, r))).collect();
         let plan = crate::consistency::reference_plan(self.cluster.tp, self.cluster.dp, &by_rank);
+        let mut reused = Vec::new();
         let t = Instant::now();
         if let (Some(spec), true) = (self.probe, probe) {
-            let results = self.cluster.probe_planned((spec.tokens as u32, spec.latents as u32, spec.seed), &plan).await;
+            let mut results = crate::cluster::RankResults::new();
+            for (&dp, by) in &plan {
+                let workers: Vec<u32> = self.cluster.workers.iter().filter(|w| w.dp == dp).map(|w| w.id).collect();
+                let ranks: Vec<(u32, &pb::RankReport)> =
+                    workers.iter().filter_map(|id| reports.get(id).and_then(|r| r.as_ref().ok()).map(|r| (*id, r))).collect();
+                if let Some(kept) = swap_probes.get(&dp)
+                    && stands_for_report(kept, spec, by.is_none(), &ranks, workers.len())
+                {
+                    results.extend(kept.results.iter().map(|(id, p)| (*id, Ok(p.clone()))));
+                    reused.push(dp);
+                }
+            }
+            let rest: BTreeMap<u32, Option<u32>> = plan.iter().filter(|(dp, _)| !reused.contains(dp)).map(|(dp, by)| (*dp, *by)).collect();
+            if !rest.is_empty() {
+                results.extend(self.cluster.probe_planned((spec.tokens as u32, spec.latents as u32, spec.seed), &rest).await);
+            }
             for dp in 0..self.cluster.dp {
                 let group: crate::cluster::RankResults<_> = self
                     .cluster
@@ -111,7 +137,9 @@ impl Session {
                     }
                 }
             }
-            timings.insert("probe".into(), t.elapsed().as_secs_f64());
+            if reused.len() < plan.len() {
+                timings.insert("probe".into(), t.elapsed().as_secs_f64());
+            }
         }
         let t = Instant::now();
         let mut rows = Vec::new();
@@ -125,6 +153,7 @@ impl Session {
                     let mut rr = row(w.id, r, probes.get(&w.id));
                     if let Some(p) = rr.probe.as_mut() {
                         p.verified_by_replica = plan.get(&w.dp).copied().flatten();
+                        p.after_swap = reused.contains(&w.dp);
                     }
                     rr.probe_error = probe_errors.get(&w.id).cloned();
                     rows.push(rr);
@@ -145,6 +174,20 @@ impl Session {
             timings,
             self.updating.load(Ordering::SeqCst),
         );
+        let names = |dps: &[u32]| dps.iter().map(|dp| format!("dp{dp}")).collect::<Vec<_>>().join(", ");
+        if !swapped.is_empty() {
+            report.notes.push(format!(
+                "replicas {}: each rank's round trip is the one its stage ran on the weights it committed (nothing writes them since; \
+                 a rank that holds other weights ran it again)",
+                names(&swapped)
+            ));
+        }
+        if !reused.is_empty() {
+            report.notes.push(format!(
+                "replicas {}: probed by the update right after their swap (the same probe; every rank still holds the weights it probed), not again",
+                names(&reused)
+            ));
+        }
         report.replicas = self.rotation.states();
         let metrics = crate::metrics::metrics();
         metrics.rows(&report.ranks);
@@ -153,6 +196,22 @@ impl Session {
         }
         report
     }
+}
+
+/// Whether a replica's probe after its swap stands for the probe a report would run now: the
+/// same spec, the reference checked where the report's plan checks it (`reference`), and an
+/// answer from each of its `ranks` workers that still reports the pid, generation and version
+/// the answer came from.
+fn stands_for_report(kept: &SwapProbe, spec: ProbeSpec, reference: bool, ranks: &[(u32, &pb::RankReport)], workers: usize) -> bool {
+    kept.spec == spec
+        && (kept.reference || !reference)
+        && ranks.len() == workers
+        && kept.results.len() == workers
+        && ranks.iter().all(|(id, r)| {
+            kept.results.get(id).is_some_and(|p| {
+                p.pid == r.pid && p.generation == r.generation && p.probed_version == r.checkpoint_version && !p.probed_version.is_empty()
+            })
+        })
 }
 
 /// How often readiness is told to every rank again even when nothing changed (a rank that
@@ -254,5 +313,49 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_worker::grp
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEC: ProbeSpec = ProbeSpec { tokens: 2, latents: 16, seed: 0 };
+
+    fn rank(pid: u32, generation: u64, version: &str) -> pb::RankReport {
+        pb::RankReport { pid, generation, checkpoint_version: version.into(), ..Default::default() }
+    }
+
+    /// Workers 4 and 5 answered the probe after the swap on generation 2 of version `b`.
+    fn kept(reference: bool) -> SwapProbe {
+        let answer = |pid| pb::ProbeResult { ok: true, pid, generation: 2, probed_version: "b".into(), ..Default::default() };
+        SwapProbe { spec: SPEC, reference, results: [(4, answer(40)), (5, answer(50))].into() }
+    }
+
+    /// A probe after the swap stands for the report's only while every rank still holds what
+    /// it probed (same pid, generation, version), for the same spec, with the reference checked
+    /// where the report's plan checks it.
+    #[test]
+    fn a_probe_after_the_swap_stands_for_the_report_only_on_the_same_weights() {
+        let (r4, r5) = (rank(40, 2, "b"), rank(50, 2, "b"));
+        let ranks = [(4, &r4), (5, &r5)];
+        assert!(stands_for_report(&kept(true), SPEC, true, &ranks, 2));
+        assert!(stands_for_report(&kept(true), SPEC, false, &ranks, 2));
+        assert!(stands_for_report(&kept(false), SPEC, false, &ranks, 2));
+        // The report's plan runs the reference on this replica; the kept probe did not.
+        assert!(!stands_for_report(&kept(false), SPEC, true, &ranks, 2));
+        // Another probe.
+        assert!(!stands_for_report(&kept(true), ProbeSpec { seed: 1, ..SPEC }, true, &ranks, 2));
+        // A rank reloaded (another generation), restarted (another pid), or holds another version.
+        for changed in [rank(40, 3, "b"), rank(41, 2, "b"), rank(40, 2, "c")] {
+            assert!(!stands_for_report(&kept(true), SPEC, true, &[(4, &changed), (5, &r5)], 2), "{changed:?}");
+        }
+        // A rank that did not report, or a probe without an answer from every rank.
+        assert!(!stands_for_report(&kept(true), SPEC, true, &ranks[..1], 2));
+        let mut short = kept(true);
+        short.results.remove(&5);
+        assert!(!stands_for_report(&short, SPEC, true, &ranks, 2));
+        // Answers from other workers than the replica's.
+        assert!(!stands_for_report(&kept(true), SPEC, true, &[(4, &r4), (6, &r5)], 2));
     }
 }

@@ -117,8 +117,14 @@ pub enum Proof<'a> {
     /// failure, or after an abort.
     Verified,
     /// Right after a commit of weights verified in shadow: a serving probe whose `y` must equal
-    /// the one verified before the swap, on the committed version.
-    SameAsStaged { version: &'a str, y: &'a str },
+    /// the one verified before the swap, on the committed version. `reference`: the replica
+    /// verified the version against the reference, which its ranks keep ([`ReferenceCache`]),
+    /// and checks against it again (without recomputing it), as a report's probe of the first
+    /// replica of a version does; a replica verified as byte-identical to it runs only its
+    /// kernel pass, as in a report.
+    ///
+    /// [`ReferenceCache`]: orchestrator_worker::probe::ReferenceCache
+    SameAsStaged { version: &'a str, y: &'a str, reference: bool },
 }
 
 /// Probes a replica that is out of rotation on its active weights and puts it back when the
@@ -132,20 +138,45 @@ pub async fn try_reinstate(
     proof: Proof<'_>,
     by_update: bool,
 ) -> Result<String, String> {
-    let skip_reference = matches!(proof, Proof::SameAsStaged { .. });
+    reinstate(cluster, rotation, dp, spec, proof, by_update).await.map(|(version, _)| version)
+}
+
+/// [`try_reinstate`], with the probe's answers by worker when it passed.
+async fn reinstate(
+    cluster: &Cluster,
+    rotation: &Rotation,
+    dp: u32,
+    spec: ProbeSpec,
+    proof: Proof<'_>,
+    by_update: bool,
+) -> Result<(String, RankResults<pb::ProbeResult>), String> {
+    let skip_reference = matches!(proof, Proof::SameAsStaged { reference: false, .. });
     let results = cluster.probe_in(Some(dp), (spec.tokens as u32, spec.latents as u32, spec.seed), false, skip_reference).await;
     let (version, y) = judge_probe(&results)?;
     rotation.observed_version(dp, &version);
-    if let Proof::SameAsStaged { version: want, y: want_y } = proof
+    if let Proof::SameAsStaged { version: want, y: want_y, .. } = proof
         && (version != want || y != want_y)
     {
         return Err(format!("after the swap the group probes version {version} with y {y}; verified before it: {want} with y {want_y}"));
     }
     if rotation.reinstate(dp, &version, by_update) {
-        Ok(version)
+        Ok((version, results))
     } else {
         Err(format!("probe passed on {version}, but the replica is not free to serve"))
     }
+}
+
+/// The probe that brought a replica back into rotation right after its swap: the same probe,
+/// checked the same way, as a report run then would ask of it, so that the report after the
+/// update can stand on it while its ranks still hold what it probed
+/// ([`crate::session::Session::check_after_update`]).
+#[derive(Clone, Debug)]
+pub struct SwapProbe {
+    pub spec: ProbeSpec,
+    /// It checked against the reference (not only the kernel pass).
+    pub reference: bool,
+    /// Every rank's answer, by worker.
+    pub results: BTreeMap<u32, pb::ProbeResult>,
 }
 
 /// Asks every rank of replica `dp` to swap to the decided `target`, again and again, until
@@ -196,7 +227,7 @@ async fn brief_versions(cluster: &Cluster, dp: u32, id: u32) -> Option<(String, 
         .fan_out_in(Some(dp), |w, mut client| {
             let wanted = w.id == id;
             let req = orchestrator_worker::auth::request(
-                pb::ReportRequest { shadow: false, brief: true },
+                pb::ReportRequest { shadow: false, brief: true, kept_round_trip: false },
                 limits::COMMIT_CALL_DEADLINE,
                 Some(&cluster.token),
             );
@@ -226,6 +257,10 @@ pub struct UpdateOutcome {
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub pending_commits: BTreeMap<u32, String>,
     pub seconds: f64,
+    /// Each swapped replica's passing probe after its swap (for the report after the update).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub swap_probes: BTreeMap<u32, SwapProbe>,
 }
 
 /// What `orchestrator update --json` prints: the outcome and the consistency report after it.
@@ -284,6 +319,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
     let start = Instant::now();
     let mut steps = Vec::new();
     let mut pending_commits = BTreeMap::new();
+    let swap_probes = std::sync::Mutex::new(BTreeMap::new());
     let finish = |ok: bool, new_version: String, steps: Vec<String>, pending_commits: BTreeMap<u32, String>| UpdateOutcome {
         ok,
         checkpoint: dir.display().to_string(),
@@ -292,6 +328,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         versions: (0..cluster.dp).map(|dp| (dp, rotation.version(dp))).collect(),
         pending_commits,
         seconds: start.elapsed().as_secs_f64(),
+        swap_probes: std::mem::take(&mut *swap_probes.lock().unwrap_or_else(|p| p.into_inner())),
     };
     // A replica with a dead rank can be neither updated nor ever confirm a commit: it is skipped
     // (and named). A live replica's unconfirmed commit must be finished first.
@@ -404,7 +441,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
                     break 'batches Some((failed, format!("replica dp{failed} failed: {e}")));
                 }
             }
-            let stuck = roll.commit_decided(group, &decided, &staged, &mut steps, &mut pending_commits).await;
+            let stuck = roll.commit_decided(group, &decided, &staged, &mut steps, &mut pending_commits, &swap_probes).await;
             if let Some((failed, e)) = failure {
                 break 'batches Some((failed, format!("replica dp{failed} failed: {e}; replicas {decided:?} committed before it")));
             }
@@ -615,6 +652,7 @@ impl Roll<'_> {
         staged: &[Result<Staged, VerifyFailure>],
         steps: &mut Vec<String>,
         pending_commits: &mut BTreeMap<u32, String>,
+        swap_probes: &std::sync::Mutex<BTreeMap<u32, SwapProbe>>,
     ) -> Vec<u32> {
         let (cluster, rotation, new_version) = (self.cluster, self.rotation, &self.new_version);
         // Out of rotation for the swap alone (when another replica can serve), once the routed
@@ -649,12 +687,18 @@ impl Roll<'_> {
                     self.note(Event::UpdateStep { update: self.update, dp, step: Step::Committed });
                     rotation.observed_version(dp, new_version);
                     let y = r.as_ref().map(|s| s.y.as_str()).unwrap_or_default();
-                    let proof = Proof::SameAsStaged { version: new_version, y };
+                    let reference = r.as_ref().is_ok_and(|s| s.against_reference);
+                    let proof = Proof::SameAsStaged { version: new_version, y, reference };
                     let t = Instant::now();
-                    let reinstated = try_reinstate(cluster, rotation, dp, self.probe, proof, true).await;
+                    let reinstated = reinstate(cluster, rotation, dp, self.probe, proof, true).await;
                     let reinstate_s = t.elapsed().as_secs_f64();
                     let back = match reinstated {
-                        Ok(_) => String::new(),
+                        Ok((_, results)) => {
+                            let results = results.into_iter().filter_map(|(id, r)| r.ok().map(|p| (id, p))).collect();
+                            let kept = SwapProbe { spec: self.probe, reference, results };
+                            swap_probes.lock().unwrap_or_else(|p| p.into_inner()).insert(dp, kept);
+                            String::new()
+                        }
                         Err(why) => {
                             rotation.pull(dp, &format!("its probe after the commit failed: {why}"));
                             format!("; its probe after the commit failed, out of rotation: {why}")
@@ -825,6 +869,9 @@ struct Staged {
     detail: String,
     y: String,
     proof: VerifiedVersion,
+    /// It was verified against the reference (the first replica of its version), not as
+    /// byte-identical to a replica that was.
+    against_reference: bool,
 }
 
 /// Stages replica `dp` while it serves its active weights: its seconds of staging. With
@@ -933,5 +980,6 @@ async fn verify_staged(
         detail: format!("staged in {stage_s:.2} s, {how} in {:.2} s (reports {report_s:.2} s, probe {probe_s:.2} s)", report_s + probe_s),
         y: y.clone(),
         proof: VerifiedVersion { dp, digests },
+        against_reference: verified.is_none(),
     })
 }

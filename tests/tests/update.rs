@@ -232,6 +232,25 @@ fn a_version_is_verified_against_the_reference_once_and_later_replicas_by_identi
     }
     let v = versions(&doc["report"]);
     assert!(v.iter().all(|x| *x == v[0]), "{v:?}");
+    // The report the update answers with stands on each replica's probe after its swap (the
+    // same probe: against the kept reference on dp0, kernel pass and identity on dp1), and
+    // says so; a later report probes again.
+    let rows = doc["report"]["ranks"].as_array().unwrap();
+    assert!(rows.iter().all(|r| r["probe"]["after_swap"] == true && r["probe"]["ok"] == true), "{:#}", doc["report"]);
+    assert!(rows.iter().filter(|r| r["dp"] == 0).all(|r| r["probe"]["reference_seconds"].as_f64().unwrap() > 0.0), "{rows:#?}");
+    assert!(rows.iter().filter(|r| r["dp"] == 1).all(|r| r["probe"]["verified_by_replica"] == 0), "{rows:#?}");
+    let notes = doc["report"]["notes"].to_string();
+    assert!(notes.contains("probed by the update right after their swap"), "{:#}", doc["report"]);
+    // Its round trips are the ones each rank's stage ran on the weights it committed.
+    assert!(notes.contains("round trip is the one its stage ran on the weights it committed"), "{notes}");
+    assert!(rows.iter().all(|r| r["round_trip_ok"] == true), "{rows:#?}");
+    assert!(doc["report"]["timings"].get("probe").is_none(), "{}", doc["report"]["timings"]);
+    let again = cluster.cmd("report", &["--json"]);
+    let again: Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert!(again["ranks"].as_array().unwrap().iter().all(|r| r["probe"].get("after_swap").is_none()), "{again:#}");
+    assert!(again["timings"]["probe"].as_f64().unwrap() > 0.0, "{}", again["timings"]);
+    let ys = |r: &Value| -> Vec<String> { r["ranks"].as_array().unwrap().iter().map(|r| r["probe"]["y_digest"].to_string()).collect() };
+    assert_eq!(ys(&doc["report"]), ys(&again));
     // After the update each rank reports its staging time, not the launch's load.
     let report = cluster.report();
     let load: Vec<f64> = report["ranks"].as_array().unwrap().iter().map(|r| r["load_seconds"].as_f64().unwrap()).collect();

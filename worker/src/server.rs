@@ -79,6 +79,10 @@ struct State {
     /// version's.
     load_path: &'static str,
     previous_path: &'static str,
+    /// The round trip of the stage the active weights were committed from, and their
+    /// generation (a report asked for the kept verdict answers with it while the generation is
+    /// the same).
+    committed_round_trip: Option<(u64, crate::roundtrip::RoundTrip)>,
 }
 
 /// A version staged beside the active weights.
@@ -442,6 +446,7 @@ impl WorkerService {
                         st.shadow = Some(Staged { weights: w, source, round_trip: round_trip.unwrap_or_default(), path, seconds });
                     } else {
                         st.weights = Some(w);
+                        st.committed_round_trip = None;
                         st.load_seconds = seconds;
                         st.load_path = path;
                         if let Some(p) = st.plan.as_mut() {
@@ -603,9 +608,10 @@ impl Worker for WorkerService {
             if !expected.is_empty() && staged != expected {
                 return Err(Status::failed_precondition(format!("commit: staged version {staged}, expected {expected}")));
             }
-            let Staged { weights: mut w, source, path, seconds, .. } =
+            let Staged { weights: mut w, source, path, seconds, round_trip } =
                 st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
             w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
+            st.committed_round_trip = Some((w.generation, round_trip));
             let replaced = st.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
             st.previous = st.weights.take().zip(replaced);
             st.weights = Some(w);
@@ -644,6 +650,7 @@ impl Worker for WorkerService {
                 }
                 let (mut w, source) = st.previous.take().ok_or_else(|| Status::failed_precondition("abort: nothing kept"))?;
                 w.generation = st.weights.as_ref().map_or(1, |cur| cur.generation + 1);
+                st.committed_round_trip = None;
                 if let Some(p) = st.plan.as_mut() {
                     p.source = source;
                 }
@@ -670,7 +677,7 @@ impl Worker for WorkerService {
     }
 
     async fn report(&self, request: Request<pb::ReportRequest>) -> Result<Response<pb::RankReport>, Status> {
-        let pb::ReportRequest { shadow, brief } = request.into_inner();
+        let pb::ReportRequest { shadow, brief, kept_round_trip } = request.into_inner();
         let state = self.state.clone();
         let host = self.host.clone();
         let backend = self.backend.clone();
@@ -697,8 +704,9 @@ impl Worker for WorkerService {
                     }));
                 }
                 let (w, source) = weights_of(&st, shadow)?;
-                let rt = match (&st.shadow, shadow) {
-                    (Some(staged), true) => staged.round_trip.clone(),
+                let rt = match (&st.shadow, shadow, &st.committed_round_trip) {
+                    (Some(staged), true, _) => staged.round_trip.clone(),
+                    (_, false, Some((generation, rt))) if kept_round_trip && *generation == w.generation => rt.clone(),
                     _ => check_rank(&*backend, w, source),
                 };
                 let id = &w.identity;
@@ -774,6 +782,7 @@ impl Worker for WorkerService {
                     .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
                 let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
                 let (w, source) = weights_of(st, r.shadow)?;
+                let generation = w.generation;
                 let loader = RankLoader::new(&*backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule)
                     .map_err(|e| Status::internal(e.to_string()))?;
                 let mut cache = reference_cache.lock().unwrap_or_else(|p| p.into_inner());
@@ -841,6 +850,8 @@ impl Worker for WorkerService {
                     reference_seconds: p.reference_s,
                     allreduce_seconds: started.elapsed().as_secs_f64(),
                     layers: p.layers.len() as u32,
+                    generation,
+                    pid: std::process::id(),
                 }))
             };
             if background { crate::background::run(work) } else { work() }
@@ -1154,5 +1165,53 @@ mod tests {
             kind: Some(Kind::Dummy(pb::DummySource { preset: "tiny".into(), layers: 1, seed: 0, bf16: false })),
         };
         assert!(source_from(Some(&dummy), &AllowedRoots::default()).is_ok());
+    }
+
+    /// Runs a load, reload or stage stream to its end.
+    async fn drain(stream: Result<Response<ProgressStream>, Status>) {
+        use tokio_stream::StreamExt;
+        let mut stream = stream.unwrap().into_inner();
+        while let Some(p) = stream.next().await {
+            p.unwrap();
+        }
+    }
+
+    async fn round_trip_ok(svc: &WorkerService, kept_round_trip: bool) -> bool {
+        let req = Request::new(pb::ReportRequest { shadow: false, brief: false, kept_round_trip });
+        svc.report(req).await.unwrap().into_inner().round_trip_ok
+    }
+
+    /// A report asked for the kept round trip answers with the one the stage ran on the weights
+    /// it committed, only while the rank holds that generation; any other report runs it again
+    /// (here it catches weights damaged in memory after the commit).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_round_trip_stands_only_for_the_generation_it_was_run_on() {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = ModelConfig::from_preset(orchestrator_model::Preset::Tiny, Some(1), false).unwrap();
+        for (name, seed) in [("A", 1), ("B", 2)] {
+            let opts = SynthOptions { config: config.clone(), seed, max_shard_bytes: 1 << 30, preset_name: None };
+            write_checkpoint(&tmp.path().join(name), &opts).unwrap();
+        }
+        let src =
+            |name: &str| pb::LoadSource { kind: Some(Kind::CheckpointDir(tmp.path().join(name).display().to_string())), content: None };
+        let svc = WorkerService::new(Arc::new(Notify::new()), AllowedRoots::new(&[tmp.path().to_path_buf()]).unwrap());
+        let assign = pb::AssignRequest { tp_size: 1, dp_size: 1, source: Some(src("A")), scale_rule: "rceil".into(), ..Default::default() };
+        svc.assign(Request::new(assign)).await.unwrap();
+        drain(svc.load(Request::new(pb::LoadRequest {})).await).await;
+        // Loaded, never committed: nothing kept, the round trip runs.
+        assert!(round_trip_ok(&svc, true).await);
+        drain(svc.stage(Request::new(pb::StageRequest { source: Some(src("B")), reference: None })).await).await;
+        svc.commit(Request::new(pb::CommitRequest { expected_version: String::new() })).await.unwrap();
+        // The committed weights damaged in place (wq_b back in checkpoint order).
+        {
+            let mut st = lock(&svc.state);
+            let w = st.weights.as_mut().unwrap();
+            crate::faults::inject_on(&*svc.backend, w, Fault::SkipQPermutation).unwrap();
+        }
+        assert!(!round_trip_ok(&svc, false).await, "a fresh round trip reads what the rank holds");
+        assert!(round_trip_ok(&svc, true).await, "the kept verdict is the stage's");
+        // Another generation of weights: the kept verdict no longer answers.
+        lock(&svc.state).weights.as_mut().unwrap().generation += 1;
+        assert!(!round_trip_ok(&svc, true).await);
     }
 }
