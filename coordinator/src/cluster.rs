@@ -582,9 +582,56 @@ impl Cluster {
     pub async fn probe_in(
         &self,
         group: Option<u32>,
+        probe: (u32, u32, u64),
+        shadow: bool,
+        skip_reference: bool,
+    ) -> RankResults<pb::ProbeResult> {
+        self.probe_phase(group, probe, shadow, skip_reference, pb::ProbePhase::Whole).await
+    }
+
+    /// The verification probe of what replica `dp` staged, in its two halves: every rank runs
+    /// its passes below serving without the ring (and without the group lock), then the group
+    /// all-reduces what they computed under its lock, held for that alone. The replica keeps
+    /// serving meanwhile, and its routed probes never wait for a verification that computes
+    /// below their priority.
+    pub async fn probe_staged(
+        &self,
+        dp: u32,
+        (tokens, latents, seed): (u32, u32, u64),
+        skip_reference: bool,
+    ) -> RankResults<pb::ProbeResult> {
+        let computed = self
+            .fan_out_in(Some(dp), |w, mut client| {
+                let req = orchestrator_worker::auth::request(
+                    pb::ProbeRequest {
+                        tokens,
+                        latents,
+                        seed,
+                        shadow: true,
+                        skip_reference,
+                        phase: pb::ProbePhase::Compute.into(),
+                        ..Default::default()
+                    },
+                    PROBE_DEADLINE,
+                    Some(&self.token),
+                );
+                let label = w.label();
+                async move { client.probe(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: probe: {}", s.message())) }
+            })
+            .await;
+        if computed.values().any(Result::is_err) {
+            return computed;
+        }
+        self.probe_phase(Some(dp), (tokens, latents, seed), true, skip_reference, pb::ProbePhase::Reduce).await
+    }
+
+    async fn probe_phase(
+        &self,
+        group: Option<u32>,
         (tokens, latents, seed): (u32, u32, u64),
         shadow: bool,
         skip_reference: bool,
+        phase: pb::ProbePhase,
     ) -> RankResults<pb::ProbeResult> {
         let groups: Vec<u32> = (0..self.dp).filter(|dp| group.is_none_or(|g| g == *dp)).collect();
         let per_group = groups.into_iter().map(|dp| async move {
@@ -607,6 +654,7 @@ impl Cluster {
                             skip_reference,
                             nccl_unique_id: nccl.clone(),
                             ring_epoch: epoch,
+                            phase: phase.into(),
                         },
                         PROBE_DEADLINE,
                         Some(&self.token),

@@ -949,7 +949,7 @@ async fn verify_staged(
     // only its own kernel pass (its y must equal the verified y: checked by the caller).
     let skip_reference = verified.is_some();
     let t = Instant::now();
-    let probes = cluster.probe_in(Some(dp), (probe.tokens as u32, probe.latents as u32, probe.seed), true, skip_reference).await;
+    let probes = cluster.probe_staged(dp, (probe.tokens as u32, probe.latents as u32, probe.seed), skip_reference).await;
     let probe_s = t.elapsed().as_secs_f64();
     let mut ys = Vec::new();
     for (id, p) in &probes {

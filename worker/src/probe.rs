@@ -192,15 +192,17 @@ pub fn probe_rank_with<B: Backend + Sync>(
     spec: ProbeSpec,
     rule: ScaleRule,
     check: bool,
-    mut cache: Option<&mut ReferenceCache>,
+    cache: Option<&std::sync::Mutex<ReferenceCache>>,
 ) -> Result<RankProbe, LoadError> {
     let backend = loader.backend();
     let g = &weights.identity.geometry;
     let shape = shape_of(g, &weights.shard);
     let inputs = spec.inputs(g).map_err(|e| LoadError::Config(format!("probe inputs: {e}")))?;
     let key: ReferenceKey = (source.version(), weights.identity.tp_size, weights.identity.rank, rule, spec);
-    let kept = match (check, cache.as_deref_mut()) {
-        (true, Some(c)) => c.get(&key),
+    // The cache is locked only to look up and to store, never while computing: a probe that
+    // runs below serving never holds up one that serves.
+    let kept = match (check, cache) {
+        (true, Some(c)) => c.lock().unwrap_or_else(|p| p.into_inner()).get(&key),
         _ => None,
     };
     let mut computed = Vec::new();
@@ -244,7 +246,7 @@ pub fn probe_rank_with<B: Backend + Sync>(
     if let (Some(c), true, None) = (cache, check, &kept)
         && computed.len() == weights.layers.len()
     {
-        c.put(key, computed);
+        c.lock().unwrap_or_else(|p| p.into_inner()).put(key, computed);
     }
     let max = |f: fn(&LayerProbe) -> f32| layers.iter().map(f).fold(0f32, f32::max);
     Ok(RankProbe {

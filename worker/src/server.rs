@@ -31,6 +31,7 @@ use crate::source::LoadSource;
 pub const RPC_DEADLINE: Duration = Duration::from_secs(5);
 
 /// What the coordinator assigned.
+#[derive(Clone)]
 struct Plan {
     tp_size: usize,
     tp_rank: usize,
@@ -83,11 +84,15 @@ struct State {
     /// generation (a report asked for the kept verdict answers with it while the generation is
     /// the same).
     committed_round_trip: Option<(u64, crate::roundtrip::RoundTrip)>,
+    /// The first half of a verification probe of the staged weights, for its second.
+    computed: Option<Computed>,
 }
 
 /// A version staged beside the active weights.
 struct Staged {
-    weights: RankWeights<AnyBackend>,
+    /// Shared with the first half of a verification probe while it computes (see
+    /// [`pb::ProbePhase`]).
+    weights: Arc<RankWeights<AnyBackend>>,
     source: Arc<LoadSource>,
     /// Its round trip, run by the stage on the background pool once the weights were in place
     /// (nothing writes them between the stage and the commit, so the verdict of a report on
@@ -96,6 +101,104 @@ struct Staged {
     /// `stage` (fresh buffers) or `restage` (kept ones), and how long it took.
     path: &'static str,
     seconds: f64,
+}
+
+/// One rank's passes of a probe, before its all-reduce.
+struct ComputedProbe {
+    probe: crate::probe::RankProbe,
+    version: String,
+    generation: u64,
+}
+
+/// The first half of a staged version's probe ([`pb::ProbePhase::Compute`]), kept for its
+/// second: of which staged weights (held weakly: a kept result never keeps weights alive),
+/// which probe, with or without the reference.
+struct Computed {
+    weights: std::sync::Weak<RankWeights<AnyBackend>>,
+    spec: ProbeSpec,
+    check: bool,
+    probe: ComputedProbe,
+}
+
+/// Runs this rank's passes of `spec` on `w` (`check`: against the reference, kept in `cache`).
+fn compute_probe(
+    backend: &AnyBackend,
+    plan: &Plan,
+    w: &RankWeights<AnyBackend>,
+    source: &LoadSource,
+    spec: ProbeSpec,
+    check: bool,
+    cache: &Mutex<crate::probe::ReferenceCache>,
+) -> Result<ComputedProbe, Status> {
+    let loader =
+        RankLoader::new(backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule).map_err(|e| Status::internal(e.to_string()))?;
+    let probe =
+        probe_rank_with(&loader, w, source, spec, plan.rule, check, Some(cache)).map_err(|e| Status::internal(format!("probe: {e}")))?;
+    let version = source.version();
+    crate::metrics::worker().probed(plan.dp_rank, plan.tp_rank, &version, probe.ok, probe.kernel_s + probe.reference_s);
+    Ok(ComputedProbe { probe, version, generation: w.generation })
+}
+
+/// The answer to a probe whose passes gave `c`, with its all-reduced `y` (empty: not reduced).
+fn answer_of(st: &State, c: &ComputedProbe, y_digest: String, allreduce_seconds: f64) -> pb::ProbeResult {
+    let p = &c.probe;
+    let (checkpoint_version, staged_version) = versions_of(st);
+    pb::ProbeResult {
+        probed_version: c.version.clone(),
+        checkpoint_version,
+        staged_version,
+        ok: p.ok,
+        q_mismatches: p.layers.iter().map(|l| l.q_mismatches as u64).sum(),
+        z_max_abs_err: p.z_max_abs_err,
+        z_max_rel_err: p.z_max_rel_err,
+        y_max_abs_err: p.y_max_abs_err,
+        y_max_rel_err: p.y_max_rel_err,
+        y_partial_digest: p.y_partial_digest.hex(),
+        y_digest,
+        kernel_seconds: p.kernel_s,
+        reference_seconds: p.reference_s,
+        allreduce_seconds,
+        layers: p.layers.len() as u32,
+        generation: c.generation,
+        pid: std::process::id(),
+    }
+}
+
+/// The TP all-reduce of a probe's `y_partial` (in rank order) over the group's ring, or NCCL,
+/// and the answer.
+fn reduce_and_answer(st: &mut State, backend: &AnyBackend, r: &pb::ProbeRequest, c: ComputedProbe) -> Result<pb::ProbeResult, Status> {
+    let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+    let (tp_rank, tp_size) = (plan.tp_rank, plan.tp_size);
+    let started = Instant::now();
+    let mut y = c.probe.y_partial.clone();
+    let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms as u64 });
+    if !r.nccl_unique_id.is_empty() {
+        // GPU workers: NCCL, with the id the group's rank 0 created (world size 1 included).
+        backend
+            .nccl_all_reduce(&mut st.device_collectives, r.group, &r.nccl_unique_id, tp_rank, tp_size, timeout, &mut y)
+            .map_err(|e| Status::unavailable(format!("all-reduce: {e}")))?;
+    } else if tp_size > 1 {
+        if st.ring.as_ref().is_none_or(|(g, e, _)| (*g, *e) != (r.group, r.ring_epoch)) {
+            // A new group or epoch (after a failure): drop the old ring, join the new one.
+            st.ring = None;
+            let peers: Vec<SocketAddr> = r.peers.iter().map(|a| resolve_peer(a)).collect::<Result<_, _>>()?;
+            let listener = st.listener.as_ref().ok_or_else(|| Status::failed_precondition("no collective listener (call Assign first)"))?;
+            let ring = listener
+                .connect_epoch(r.group, r.ring_epoch, tp_rank, &peers, timeout)
+                .map_err(|e| Status::unavailable(format!("collective (epoch {}): {e}", r.ring_epoch)))?;
+            st.ring = Some((r.group, r.ring_epoch, ring));
+        }
+        let (_, _, ring) = st.ring.as_mut().expect("ring set above");
+        if let Err(e) = ring.all_reduce_sum(&mut y) {
+            // A failed ring is never reused: the next probe joins a ring again, whatever epoch it
+            // names.
+            st.ring = None;
+            return Err(Status::unavailable(format!("all-reduce: {e}")));
+        }
+    } else {
+        LocalCollective.all_reduce_sum(&mut y).map_err(|e| Status::internal(e.to_string()))?;
+    }
+    Ok(answer_of(st, &c, Digest::of_f32(&y).hex(), started.elapsed().as_secs_f64()))
 }
 
 /// The worker service.
@@ -443,7 +546,8 @@ impl WorkerService {
                             let _ = tx.blocking_send(Err(Status::aborted("stage: superseded by a later stage or abort")));
                             return;
                         }
-                        st.shadow = Some(Staged { weights: w, source, round_trip: round_trip.unwrap_or_default(), path, seconds });
+                        st.shadow =
+                            Some(Staged { weights: Arc::new(w), source, round_trip: round_trip.unwrap_or_default(), path, seconds });
                     } else {
                         st.weights = Some(w);
                         st.committed_round_trip = None;
@@ -608,8 +712,14 @@ impl Worker for WorkerService {
             if !expected.is_empty() && staged != expected {
                 return Err(Status::failed_precondition(format!("commit: staged version {staged}, expected {expected}")));
             }
-            let Staged { weights: mut w, source, path, seconds, round_trip } =
+            if st.shadow.as_ref().is_some_and(|s| Arc::strong_count(&s.weights) > 1) {
+                // A verification probe still computes on them (asked again, the commit finds them free).
+                return Err(Status::unavailable("commit: the staged version is still being probed"));
+            }
+            st.computed = None;
+            let Staged { weights, source, path, seconds, round_trip } =
                 st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
+            let mut w = Arc::try_unwrap(weights).map_err(|_| Status::unavailable("commit: the staged version is still being probed"))?;
             w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
             st.committed_round_trip = Some((w.generation, round_trip));
             let replaced = st.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
@@ -637,7 +747,9 @@ impl Worker for WorkerService {
             self.not_ready().await;
         }
         self.with_state(move |st| {
-            keep_or_drop(st, |st| st.shadow.take().map(|s| s.weights));
+            st.computed = None;
+            // Weights a verification probe still computes on are freed when it ends, not kept.
+            keep_or_drop(st, |st| st.shadow.take().and_then(|s| Arc::try_unwrap(s.weights).ok()));
             st.stage_epoch += 1;
             if rollback {
                 let kept = st.previous.as_ref().map(|(_, s)| s.version());
@@ -771,88 +883,59 @@ impl Worker for WorkerService {
         let state = self.state.clone();
         let backend = self.backend.clone();
         let reference_cache = self.reference_cache.clone();
+        let phase = r.phase();
+        if phase != pb::ProbePhase::Whole && !r.shadow {
+            return Err(Status::invalid_argument("probe: a probe in halves is of the staged version (shadow) only"));
+        }
         // Verifying a staged version is background work: below the serving probes' priority.
         let background = r.shadow;
         tokio::task::spawn_blocking(move || {
             let work = move || {
-                let mut st = lock(&state);
-                let st = &mut *st;
                 let spec = ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
                 orchestrator_model::limits::check_probe(spec.tokens, spec.latents)
                     .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
-                let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
-                let (w, source) = weights_of(st, r.shadow)?;
-                let generation = w.generation;
-                let loader = RankLoader::new(&*backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule)
-                    .map_err(|e| Status::internal(e.to_string()))?;
-                let mut cache = reference_cache.lock().unwrap_or_else(|p| p.into_inner());
-                let p = probe_rank_with(&loader, w, source, spec, plan.rule, !r.skip_reference, Some(&mut cache))
-                    .map_err(|e| Status::internal(format!("probe: {e}")))?;
-                drop(cache);
-                let probed_version = source.version();
-                crate::metrics::worker().probed(plan.dp_rank, plan.tp_rank, &probed_version, p.ok, p.kernel_s + p.reference_s);
-                // The TP all-reduce of y_partial, in rank order.
-                let started = Instant::now();
-                let mut y = p.y_partial.clone();
-                if !r.nccl_unique_id.is_empty() {
-                    // GPU workers: NCCL, with the id the group's rank 0 created (world size 1 included).
-                    let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms as u64 });
-                    backend
-                        .nccl_all_reduce(
-                            &mut st.device_collectives,
-                            r.group,
-                            &r.nccl_unique_id,
-                            plan.tp_rank,
-                            plan.tp_size,
-                            timeout,
-                            &mut y,
-                        )
-                        .map_err(|e| Status::unavailable(format!("all-reduce: {e}")))?;
-                } else if plan.tp_size > 1 {
-                    let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms as u64 });
-                    if st.ring.as_ref().is_none_or(|(g, e, _)| (*g, *e) != (r.group, r.ring_epoch)) {
-                        // A new group or epoch (after a failure): drop the old ring, join the new one.
-                        st.ring = None;
-                        let peers: Vec<SocketAddr> = r.peers.iter().map(|a| resolve_peer(a)).collect::<Result<_, _>>()?;
-                        let listener = st
-                            .listener
-                            .as_ref()
-                            .ok_or_else(|| Status::failed_precondition("no collective listener (call Assign first)"))?;
-                        let ring = listener
-                            .connect_epoch(r.group, r.ring_epoch, plan.tp_rank, &peers, timeout)
-                            .map_err(|e| Status::unavailable(format!("collective (epoch {}): {e}", r.ring_epoch)))?;
-                        st.ring = Some((r.group, r.ring_epoch, ring));
+                let check = !r.skip_reference;
+                let computed = match phase {
+                    pb::ProbePhase::Whole => {
+                        let mut st = lock(&state);
+                        let st = &mut *st;
+                        let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+                        let (w, source) = weights_of(st, r.shadow)?;
+                        let c = compute_probe(&backend, plan, w, source, spec, check, &reference_cache)?;
+                        return reduce_and_answer(st, &backend, &r, c).map(Response::new);
                     }
-                    let (_, _, ring) = st.ring.as_mut().expect("ring set above");
-                    if let Err(e) = ring.all_reduce_sum(&mut y) {
-                        // A failed ring is never reused: the next probe joins a ring again, whatever
-                        // epoch it names.
-                        st.ring = None;
-                        return Err(Status::unavailable(format!("all-reduce: {e}")));
+                    pb::ProbePhase::Compute => {
+                        // The staged weights are shared, not borrowed: nothing is locked while
+                        // they compute, so serving probes and reports of this rank go on.
+                        let (plan, weights, source) = {
+                            let st = lock(&state);
+                            let plan = st.plan.clone().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+                            let staged = st.shadow.as_ref().ok_or_else(|| Status::failed_precondition("nothing staged"))?;
+                            (plan, staged.weights.clone(), staged.source.clone())
+                        };
+                        let c = compute_probe(&backend, &plan, &weights, &source, spec, check, &reference_cache)?;
+                        let mut st = lock(&state);
+                        let answer = answer_of(&st, &c, String::new(), 0.0);
+                        // Kept only while it is of what the rank has staged.
+                        if st.shadow.as_ref().is_some_and(|s| Arc::ptr_eq(&s.weights, &weights)) {
+                            st.computed = Some(Computed { weights: Arc::downgrade(&weights), spec, check, probe: c });
+                        }
+                        return Ok(Response::new(answer));
                     }
-                } else {
-                    LocalCollective.all_reduce_sum(&mut y).map_err(|e| Status::internal(e.to_string()))?;
-                }
-                let (checkpoint_version, staged_version) = versions_of(st);
-                Ok(Response::new(pb::ProbeResult {
-                    probed_version,
-                    checkpoint_version,
-                    staged_version,
-                    ok: p.ok,
-                    q_mismatches: p.layers.iter().map(|l| l.q_mismatches as u64).sum(),
-                    z_max_abs_err: p.z_max_abs_err,
-                    z_max_rel_err: p.z_max_rel_err,
-                    y_max_abs_err: p.y_max_abs_err,
-                    y_max_rel_err: p.y_max_rel_err,
-                    y_partial_digest: p.y_partial_digest.hex(),
-                    y_digest: Digest::of_f32(&y).hex(),
-                    kernel_seconds: p.kernel_s,
-                    reference_seconds: p.reference_s,
-                    allreduce_seconds: started.elapsed().as_secs_f64(),
-                    layers: p.layers.len() as u32,
-                    generation,
-                    pid: std::process::id(),
-                }))
+                    pb::ProbePhase::Reduce => {
+                        let mut st = lock(&state);
+                        let kept = st.computed.take().filter(|k| {
+                            let staged = st.shadow.as_ref().map(|s| Arc::downgrade(&s.weights));
+                            k.spec == spec && k.check == check && staged.is_some_and(|w| std::sync::Weak::ptr_eq(&w, &k.weights))
+                        });
+                        let kept = kept.ok_or_else(|| {
+                            Status::failed_precondition("probe: nothing computed to reduce for this probe of the staged version")
+                        })?;
+                        (st, kept.probe)
+                    }
+                };
+                let (mut st, c) = computed;
+                reduce_and_answer(&mut st, &backend, &r, c).map(Response::new)
             };
             if background { crate::background::run(work) } else { work() }
         })
@@ -1181,26 +1264,36 @@ mod tests {
         svc.report(req).await.unwrap().into_inner().round_trip_ok
     }
 
+    /// A TP 1 worker on tiny checkpoint `A` (loaded), with `B` and `C` beside it to stage.
+    async fn loaded_worker(tmp: &std::path::Path) -> (WorkerService, impl Fn(&str) -> pb::LoadSource) {
+        let config = ModelConfig::from_preset(orchestrator_model::Preset::Tiny, Some(1), false).unwrap();
+        for (name, seed) in [("A", 1), ("B", 2), ("C", 3)] {
+            let opts = SynthOptions { config: config.clone(), seed, max_shard_bytes: 1 << 30, preset_name: None };
+            write_checkpoint(&tmp.join(name), &opts).unwrap();
+        }
+        let dir = tmp.to_path_buf();
+        let src = move |name: &str| pb::LoadSource { kind: Some(Kind::CheckpointDir(dir.join(name).display().to_string())), content: None };
+        let svc = WorkerService::new(Arc::new(Notify::new()), AllowedRoots::new(&[tmp.to_path_buf()]).unwrap());
+        let assign = pb::AssignRequest { tp_size: 1, dp_size: 1, source: Some(src("A")), scale_rule: "rceil".into(), ..Default::default() };
+        svc.assign(Request::new(assign)).await.unwrap();
+        drain(svc.load(Request::new(pb::LoadRequest {})).await).await;
+        (svc, src)
+    }
+
+    async fn stage(svc: &WorkerService, source: pb::LoadSource) {
+        drain(svc.stage(Request::new(pb::StageRequest { source: Some(source), reference: None })).await).await;
+    }
+
     /// A report asked for the kept round trip answers with the one the stage ran on the weights
     /// it committed, only while the rank holds that generation; any other report runs it again
     /// (here it catches weights damaged in memory after the commit).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_kept_round_trip_stands_only_for_the_generation_it_was_run_on() {
         let tmp = tempfile::tempdir().unwrap();
-        let config = ModelConfig::from_preset(orchestrator_model::Preset::Tiny, Some(1), false).unwrap();
-        for (name, seed) in [("A", 1), ("B", 2)] {
-            let opts = SynthOptions { config: config.clone(), seed, max_shard_bytes: 1 << 30, preset_name: None };
-            write_checkpoint(&tmp.path().join(name), &opts).unwrap();
-        }
-        let src =
-            |name: &str| pb::LoadSource { kind: Some(Kind::CheckpointDir(tmp.path().join(name).display().to_string())), content: None };
-        let svc = WorkerService::new(Arc::new(Notify::new()), AllowedRoots::new(&[tmp.path().to_path_buf()]).unwrap());
-        let assign = pb::AssignRequest { tp_size: 1, dp_size: 1, source: Some(src("A")), scale_rule: "rceil".into(), ..Default::default() };
-        svc.assign(Request::new(assign)).await.unwrap();
-        drain(svc.load(Request::new(pb::LoadRequest {})).await).await;
+        let (svc, src) = loaded_worker(tmp.path()).await;
         // Loaded, never committed: nothing kept, the round trip runs.
         assert!(round_trip_ok(&svc, true).await);
-        drain(svc.stage(Request::new(pb::StageRequest { source: Some(src("B")), reference: None })).await).await;
+        stage(&svc, src("B")).await;
         svc.commit(Request::new(pb::CommitRequest { expected_version: String::new() })).await.unwrap();
         // The committed weights damaged in place (wq_b back in checkpoint order).
         {
@@ -1213,5 +1306,46 @@ mod tests {
         // Another generation of weights: the kept verdict no longer answers.
         lock(&svc.state).weights.as_mut().unwrap().generation += 1;
         assert!(!round_trip_ok(&svc, true).await);
+    }
+
+    async fn probe(svc: &WorkerService, phase: pb::ProbePhase, shadow: bool, seed: u64) -> Result<pb::ProbeResult, Status> {
+        let req = pb::ProbeRequest { tokens: 2, latents: 16, seed, shadow, phase: phase.into(), ..Default::default() };
+        svc.probe(Request::new(req)).await.map(Response::into_inner)
+    }
+
+    /// A staged version's probe in halves gives what the whole probe gives; its second half
+    /// reduces only what the first computed on the weights staged now, for the same probe; and
+    /// staged weights a first half still computes on are not swapped in.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_probe_in_halves_reduces_only_what_its_first_half_computed_on_the_staged_weights() {
+        use pb::ProbePhase::{Compute, Reduce, Whole};
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, src) = loaded_worker(tmp.path()).await;
+        assert_eq!(probe(&svc, Compute, false, 0).await.unwrap_err().code(), tonic::Code::InvalidArgument, "the active weights");
+        stage(&svc, src("B")).await;
+        let whole = probe(&svc, Whole, true, 0).await.unwrap();
+        assert!(!whole.y_digest.is_empty() && whole.ok);
+        assert_eq!(probe(&svc, Reduce, true, 0).await.unwrap_err().code(), tonic::Code::FailedPrecondition, "nothing computed");
+        let first = probe(&svc, Compute, true, 0).await.unwrap();
+        assert!(first.y_digest.is_empty() && first.ok);
+        assert_eq!((&first.y_partial_digest, &first.probed_version), (&whole.y_partial_digest, &whole.probed_version));
+        let reduced = probe(&svc, Reduce, true, 0).await.unwrap();
+        assert_eq!((reduced.y_digest.as_str(), reduced.ok), (whole.y_digest.as_str(), true));
+        // Reduced once: the kept half is gone.
+        assert_eq!(probe(&svc, Reduce, true, 0).await.unwrap_err().code(), tonic::Code::FailedPrecondition);
+        // Another probe, or another stage since the first half: refused.
+        probe(&svc, Compute, true, 0).await.unwrap();
+        assert_eq!(probe(&svc, Reduce, true, 1).await.unwrap_err().code(), tonic::Code::FailedPrecondition, "another seed");
+        probe(&svc, Compute, true, 0).await.unwrap();
+        stage(&svc, src("C")).await;
+        assert_eq!(probe(&svc, Reduce, true, 0).await.unwrap_err().code(), tonic::Code::FailedPrecondition, "restaged");
+        // Staged weights still shared with a computation are not swapped in until it lets go.
+        let computing = lock(&svc.state).shadow.as_ref().unwrap().weights.clone();
+        let commit = || svc.commit(Request::new(pb::CommitRequest { expected_version: String::new() }));
+        assert_eq!(commit().await.unwrap_err().code(), tonic::Code::Unavailable);
+        assert!(lock(&svc.state).shadow.is_some(), "still staged");
+        drop(computing);
+        commit().await.unwrap();
+        assert!(lock(&svc.state).shadow.is_none());
     }
 }

@@ -136,33 +136,51 @@ fn a_kept_reference_gives_the_same_verdict_and_still_catches_a_fault() {
     let loader = RankLoader::new(&CpuBackend, source.config(), 2, 0, ScaleRule::Rceil).unwrap();
     let mut w = loader.load(&source).unwrap();
     let spec = ProbeSpec { tokens: 4, latents: 16, seed: 2 };
-    let mut cache = ReferenceCache::default();
-    let fresh = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
-    let kept = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
-    assert_eq!((cache.misses, cache.hits), (1, 1));
+    let cache = std::sync::Mutex::new(ReferenceCache::default());
+    let fresh = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&cache)).unwrap();
+    let kept = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&cache)).unwrap();
+    assert_eq!(
+        {
+            let c = cache.lock().unwrap();
+            (c.misses, c.hits)
+        },
+        (1, 1)
+    );
     assert!(fresh.ok && kept.ok);
     assert_eq!(fresh.y_partial_digest, kept.y_partial_digest);
     assert_eq!(fresh.z_max_abs_err.to_bits(), kept.z_max_abs_err.to_bits());
     assert_eq!(fresh.y_max_abs_err.to_bits(), kept.y_max_abs_err.to_bits());
     // Another probe is another question.
     let other = ProbeSpec { seed: 3, ..spec };
-    probe_rank_with(&loader, &w, &source, other, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
-    assert_eq!((cache.misses, cache.hits), (2, 1));
+    probe_rank_with(&loader, &w, &source, other, ScaleRule::Rceil, true, Some(&cache)).unwrap();
+    assert_eq!(
+        {
+            let c = cache.lock().unwrap();
+            (c.misses, c.hits)
+        },
+        (2, 1)
+    );
     // Serving probes (no check) neither read nor fill it.
-    probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, false, Some(&mut cache)).unwrap();
-    assert_eq!((cache.misses, cache.hits), (2, 1));
+    probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, false, Some(&cache)).unwrap();
+    assert_eq!(
+        {
+            let c = cache.lock().unwrap();
+            (c.misses, c.hits)
+        },
+        (2, 1)
+    );
     // The weights go wrong after the reference was kept: the kept reference catches it.
     inject(&mut w, Fault::SkipQPermutation).unwrap();
-    let caught = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
-    assert_eq!(cache.hits, 2);
+    let caught = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&cache)).unwrap();
+    assert_eq!(cache.lock().unwrap().hits, 2);
     assert!(!caught.ok && caught.layers.iter().all(|l| l.q_mismatches > 0), "{caught:?}");
     // Bounded: only the last few entries are kept.
     for seed in 10..10 + ReferenceCache::CAPACITY as u64 + 2 {
-        probe_rank_with(&loader, &w, &source, ProbeSpec { seed, ..spec }, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
+        probe_rank_with(&loader, &w, &source, ProbeSpec { seed, ..spec }, ScaleRule::Rceil, true, Some(&cache)).unwrap();
     }
-    let misses = cache.misses;
-    probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
-    assert_eq!(cache.misses, misses + 1, "the oldest entry was dropped");
+    let misses = cache.lock().unwrap().misses;
+    probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&cache)).unwrap();
+    assert_eq!(cache.lock().unwrap().misses, misses + 1, "the oldest entry was dropped");
 }
 
 /// A reference prepared before any weights are loaded (as a stage prepares it beside its load)
@@ -180,16 +198,21 @@ fn a_prepared_reference_is_what_the_probe_checks_against() {
     assert!(first > 0.0);
     assert_eq!(prepare_reference(&loader, &source, spec, &cache).unwrap(), 0.0, "kept already");
     let mut w = loader.load(&source).unwrap();
-    let mut cache = cache.into_inner().unwrap();
-    let prepared = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
-    assert_eq!((cache.misses, cache.hits), (0, 1));
+    let prepared = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&cache)).unwrap();
+    assert_eq!(
+        {
+            let c = cache.lock().unwrap();
+            (c.misses, c.hits)
+        },
+        (0, 1)
+    );
     let computed = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, None).unwrap();
     assert!(prepared.ok && computed.ok);
     assert_eq!(prepared.y_partial_digest, computed.y_partial_digest);
     assert_eq!(prepared.z_max_abs_err.to_bits(), computed.z_max_abs_err.to_bits());
     assert_eq!(prepared.y_max_abs_err.to_bits(), computed.y_max_abs_err.to_bits());
     inject(&mut w, Fault::SkipQPermutation).unwrap();
-    let caught = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&mut cache)).unwrap();
+    let caught = probe_rank_with(&loader, &w, &source, spec, ScaleRule::Rceil, true, Some(&cache)).unwrap();
     assert!(!caught.ok && caught.layers.iter().all(|l| l.q_mismatches > 0), "{caught:?}");
 }
 
