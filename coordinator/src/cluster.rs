@@ -594,37 +594,16 @@ impl Cluster {
     /// all-reduces what they computed under its lock, held for that alone. The replica keeps
     /// serving meanwhile, and its routed probes never wait for a verification that computes
     /// below their priority.
-    pub async fn probe_staged(
-        &self,
-        dp: u32,
-        (tokens, latents, seed): (u32, u32, u64),
-        skip_reference: bool,
-    ) -> RankResults<pb::ProbeResult> {
-        let computed = self
-            .fan_out_in(Some(dp), |w, mut client| {
-                let req = orchestrator_worker::auth::request(
-                    pb::ProbeRequest {
-                        tokens,
-                        latents,
-                        seed,
-                        shadow: true,
-                        skip_reference,
-                        phase: pb::ProbePhase::Compute.into(),
-                        ..Default::default()
-                    },
-                    PROBE_DEADLINE,
-                    Some(&self.token),
-                );
-                let label = w.label();
-                async move { client.probe(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: probe: {}", s.message())) }
-            })
-            .await;
+    pub async fn probe_staged(&self, dp: u32, probe: (u32, u32, u64), skip_reference: bool) -> RankResults<pb::ProbeResult> {
+        let computed = self.probe_phase(Some(dp), probe, true, skip_reference, pb::ProbePhase::Compute).await;
         if computed.values().any(Result::is_err) {
             return computed;
         }
-        self.probe_phase(Some(dp), (tokens, latents, seed), true, skip_reference, pb::ProbePhase::Reduce).await
+        self.probe_phase(Some(dp), probe, true, skip_reference, pb::ProbePhase::Reduce).await
     }
 
+    /// One phase of a probe on each group: a whole probe or a reduce holds the group lock and
+    /// uses the ring of its epoch; a compute needs neither (the ring fields go unused).
     async fn probe_phase(
         &self,
         group: Option<u32>,
@@ -634,8 +613,12 @@ impl Cluster {
         phase: pb::ProbePhase,
     ) -> RankResults<pb::ProbeResult> {
         let groups: Vec<u32> = (0..self.dp).filter(|dp| group.is_none_or(|g| g == *dp)).collect();
+        let ring = phase != pb::ProbePhase::Compute;
         let per_group = groups.into_iter().map(|dp| async move {
-            let _guard = self.group_locks[dp as usize].lock().await;
+            let _guard = match ring {
+                true => Some(self.group_locks[dp as usize].lock().await),
+                false => None,
+            };
             let peers: Vec<String> = self.workers.iter().filter(|w| w.dp == dp).map(|w| w.collective.clone()).collect();
             // GPU groups: the NCCL unique id their rank 0 created, relayed to every rank.
             let nccl = self.workers.iter().find(|w| w.dp == dp && w.tp == 0).map(|w| w.nccl_unique_id.clone()).unwrap_or_default();
@@ -663,7 +646,7 @@ impl Cluster {
                     async move { client.probe(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: probe: {}", s.message())) }
                 })
                 .await;
-            if results.values().any(Result::is_err) {
+            if ring && results.values().any(Result::is_err) {
                 // The ring may be broken on some ranks: the next probe starts a new epoch.
                 let _ = self.ring_epochs[dp as usize].compare_exchange(epoch, epoch.wrapping_add(1), Ordering::SeqCst, Ordering::SeqCst);
             }

@@ -895,14 +895,14 @@ impl Worker for WorkerService {
                 orchestrator_model::limits::check_probe(spec.tokens, spec.latents)
                     .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
                 let check = !r.skip_reference;
-                let computed = match phase {
+                match phase {
                     pb::ProbePhase::Whole => {
                         let mut st = lock(&state);
                         let st = &mut *st;
                         let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
                         let (w, source) = weights_of(st, r.shadow)?;
                         let c = compute_probe(&backend, plan, w, source, spec, check, &reference_cache)?;
-                        return reduce_and_answer(st, &backend, &r, c).map(Response::new);
+                        reduce_and_answer(st, &backend, &r, c).map(Response::new)
                     }
                     pb::ProbePhase::Compute => {
                         // The staged weights are shared, not borrowed: nothing is locked while
@@ -920,22 +920,18 @@ impl Worker for WorkerService {
                         if st.shadow.as_ref().is_some_and(|s| Arc::ptr_eq(&s.weights, &weights)) {
                             st.computed = Some(Computed { weights: Arc::downgrade(&weights), spec, check, probe: c });
                         }
-                        return Ok(Response::new(answer));
+                        Ok(Response::new(answer))
                     }
                     pb::ProbePhase::Reduce => {
                         let mut st = lock(&state);
-                        let kept = st.computed.take().filter(|k| {
-                            let staged = st.shadow.as_ref().map(|s| Arc::downgrade(&s.weights));
-                            k.spec == spec && k.check == check && staged.is_some_and(|w| std::sync::Weak::ptr_eq(&w, &k.weights))
-                        });
+                        let staged = st.shadow.as_ref().map(|s| Arc::as_ptr(&s.weights));
+                        let kept = st.computed.take().filter(|k| k.spec == spec && k.check == check && staged == Some(k.weights.as_ptr()));
                         let kept = kept.ok_or_else(|| {
                             Status::failed_precondition("probe: nothing computed to reduce for this probe of the staged version")
                         })?;
-                        (st, kept.probe)
+                        reduce_and_answer(&mut st, &backend, &r, kept.probe).map(Response::new)
                     }
-                };
-                let (mut st, c) = computed;
-                reduce_and_answer(&mut st, &backend, &r, c).map(Response::new)
+                }
             };
             if background { crate::background::run(work) } else { work() }
         })
