@@ -6,6 +6,9 @@ use crate::backend::resize_for_overwrite;
 use crate::permutation::BlockOrder;
 use crate::{KernelError, e4m3, e8m0};
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 /// Elements per scale block along K.
 pub const BLOCK: usize = 32;
 
@@ -231,11 +234,20 @@ fn quantize_rows_with(
         BlockOrder::Rows(p) => Some(p.inverse_map()),
         _ => None,
     };
-    crate::simd::dispatch!(quantize_rows_body(bf16, k, rule, order, dst_of, elements, scales, after_row))
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // SAFETY: the CPU has the instructions (checked just above).
+        return unsafe { avx512::quantize_rows(bf16, k, rule, order, dst_of, elements, scales, after_row) };
+    }
+    crate::simd::dispatch!(quantize_rows_body(bf16, k, rule, order, dst_of, elements, scales, after_row, quantize_bf16_block, |_, _, _| {
+        None
+    }))
 }
 
 /// The loop of [`quantize_rows_with`] on validated, sized buffers (`dst_of[s]`: the destination
-/// row of source row `s` when rows move).
+/// row of source row `s` when rows move), blocks quantized four at a time by `four` where it
+/// takes them (it may decline with `None`), else one at a time by `one`; both must give
+/// [`quantize_bf16_block`]'s bytes.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn quantize_rows_body(
@@ -247,19 +259,37 @@ fn quantize_rows_body(
     elements: &mut [u8],
     scales: &mut [u8],
     mut after_row: impl FnMut(&[u8], &[u8], &[u8]),
+    one: impl Fn(&[u8; BLOCK * 2], ScaleRule, &mut [u8]) -> Result<u8, usize>,
+    four: impl Fn([&[u8; BLOCK * 2]; 4], ScaleRule, &mut [u8]) -> Option<[u8; 4]>,
 ) -> Result<(), KernelError> {
     let blocks = k / BLOCK;
+    let chunks = match order {
+        BlockOrder::Chunks(p) => Some(p.as_slice()),
+        _ => None,
+    };
     for (src_row, src_row_bytes) in bf16.chunks_exact(k * 2).enumerate() {
         let row = dst_of.map_or(src_row, |d| d[src_row] as usize);
         let dst_row = &mut elements[row * k..(row + 1) * k];
         let scale_row = &mut scales[row * blocks..(row + 1) * blocks];
-        for (j, (dst, scale)) in dst_row.chunks_exact_mut(BLOCK).zip(scale_row.iter_mut()).enumerate() {
-            let src_j = match order {
-                BlockOrder::Chunks(p) => p.as_slice()[j] as usize,
-                _ => j,
-            };
-            let src: &[u8; BLOCK * 2] = src_row_bytes[src_j * BLOCK * 2..(src_j + 1) * BLOCK * 2].try_into().expect("a whole block");
-            *scale = quantize_bf16_block(src, rule, dst).map_err(|at| KernelError::NonFinite { row: src_row, col: src_j * BLOCK + at })?;
+        let source_blocks = src_row_bytes.as_chunks::<{ BLOCK * 2 }>().0;
+        let source = |j: usize| &source_blocks[chunks.map_or(j, |p| p[j] as usize)];
+        let mut j = 0;
+        while j < blocks {
+            // Four blocks at once where `four` takes them, else one by one up to the next four.
+            let end = (j + 4).min(blocks);
+            if end == j + 4
+                && let Some(s) = four(std::array::from_fn(|i| source(j + i)), rule, &mut dst_row[j * BLOCK..end * BLOCK])
+            {
+                scale_row[j..end].copy_from_slice(&s);
+                j = end;
+                continue;
+            }
+            for jj in j..end {
+                let src_j = chunks.map_or(jj, |p| p[jj] as usize);
+                scale_row[jj] = one(&source_blocks[src_j], rule, &mut dst_row[jj * BLOCK..(jj + 1) * BLOCK])
+                    .map_err(|at| KernelError::NonFinite { row: src_row, col: src_j * BLOCK + at })?;
+            }
+            j = end;
         }
         after_row(src_row_bytes, dst_row, scale_row);
     }
@@ -269,7 +299,7 @@ fn quantize_rows_body(
 /// Quantizes one block of 32 BF16 values; returns its scale byte, or the index of a NaN or
 /// infinite value.
 #[inline(always)]
-fn quantize_bf16_block(src: &[u8; BLOCK * 2], rule: ScaleRule, dst: &mut [u8]) -> Result<u8, usize> {
+pub(crate) fn quantize_bf16_block(src: &[u8; BLOCK * 2], rule: ScaleRule, dst: &mut [u8]) -> Result<u8, usize> {
     let mut block = [0u16; BLOCK];
     for (i, slot) in block.iter_mut().enumerate() {
         *slot = u16::from_le_bytes([src[2 * i], src[2 * i + 1]]);
@@ -342,15 +372,22 @@ pub fn dequantize(element: u8, scale: u8) -> f32 {
 mod tests {
     use super::*;
 
-    /// The loop compiled for the baseline and the copy `simd::dispatch!` picks (AVX2 where the
-    /// CPU has it) write the same bytes, in every order, for both rules, on every bit pattern
-    /// class (random finite BF16, including subnormals and values that saturate).
+    /// The loop compiled for the baseline and the one the CPU takes (AVX-512's four blocks at a
+    /// time, or the AVX2 copy `simd::dispatch!` picks) write the same bytes, in every order, for
+    /// both rules, on every bit pattern class (random finite BF16, including subnormals and
+    /// values that saturate), with rows of whole groups of four blocks and with a remainder.
     #[test]
     fn baseline_and_dispatched_quantization_agree() {
+        for k in [128, 192] {
+            baseline_and_dispatched_quantization_agree_at(k);
+        }
+    }
+
+    fn baseline_and_dispatched_quantization_agree_at(k: usize) {
         use crate::permutation::Permutation;
-        let (rows, k) = (64, 128);
+        let rows = 64;
         let q = Permutation::q_rows(2, 32).unwrap();
-        let o = Permutation::from_map((0..4u32).rev().collect()).unwrap();
+        let o = Permutation::from_map((0..(k / BLOCK) as u32).rev().collect()).unwrap();
         let mut x = 0x1234_5678_9ABC_DEF1u64;
         let bf16: Vec<u8> = (0..rows * k)
             .flat_map(|_| {
@@ -370,7 +407,8 @@ mod tests {
                     BlockOrder::Rows(p) => Some(p.inverse_map()),
                     _ => None,
                 };
-                quantize_rows_body(&bf16, k, rule, order, dst_of, &mut be, &mut bs, |_, _, _| {}).unwrap();
+                quantize_rows_body(&bf16, k, rule, order, dst_of, &mut be, &mut bs, |_, _, _| {}, quantize_bf16_block, |_, _, _| None)
+                    .unwrap();
                 assert_eq!((&e, &s), (&be, &bs), "{rule:?} {order:?}");
             }
         }
@@ -430,14 +468,17 @@ mod tests {
 
     #[test]
     fn non_finite_is_an_error_naming_row_and_column() {
-        let mut bf16 = vec![0u8; 2 * 64 * 2];
-        // Row 1, column 33 = +inf (0x7F80).
-        let at = (64 + 33) * 2;
-        bf16[at] = 0x80;
-        bf16[at + 1] = 0x7F;
-        let (mut e, mut s) = (Vec::new(), Vec::new());
-        let err = quantize_bf16_rows(&bf16, 2, 64, ScaleRule::Rceil, &mut e, &mut s).unwrap_err();
-        assert!(matches!(err, KernelError::NonFinite { row: 1, col: 33 }), "{err:?}");
+        // Rows of 6 blocks (a group of four, then two) of ones; an infinity or a NaN in the
+        // group, or after it, is named where it is.
+        let k = 192;
+        for (col, bits) in [(33, 0x7F80u16), (97, 0xFFC0), (161, 0x7F80), (191, 0xFF81)] {
+            let mut bf16: Vec<u8> = std::iter::repeat_n(0x3F80u16.to_le_bytes(), 2 * k).flatten().collect();
+            let at = (k + col) * 2;
+            bf16[at..at + 2].copy_from_slice(&bits.to_le_bytes());
+            let (mut e, mut s) = (Vec::new(), Vec::new());
+            let err = quantize_bf16_rows(&bf16, 2, k, ScaleRule::Rceil, &mut e, &mut s).unwrap_err();
+            assert!(matches!(err, KernelError::NonFinite { row: 1, col: c } if c == col), "{col}: {err:?}");
+        }
     }
 
     /// The table path equals the exact f32 path on every kind of BF16 input: all binades,

@@ -1,0 +1,331 @@
+//! BF16 quantization with AVX-512 BW: a block's 32 BF16 values fill one register as 16-bit
+//! lanes, so the elements' exponents, their round to nearest even and their saturation are one
+//! instruction each for the whole block. The plain loop ([`super::quantize_bf16_block`],
+//! compiled for AVX2 by `simd::dispatch!`) ran these per element and bound a BF16 load
+//! (`orchestrator-worker bench`: 46% of a warm BF16 reload's samples).
+//!
+//! What costs most here is each block's magnitude maximum, a reduction across the register
+//! that everything else waits on: four blocks are reduced together (their halves, then their
+//! quarters, side by side in one register), and their scales computed at once, without the
+//! division (see [`scales_of`]).
+//!
+//! The arithmetic is the plain loop's, lane for lane. A block it does not take exactly (a NaN or
+//! an infinity, a maximum below 2^-117, a subnormal input, an element whose result is an E4M3
+//! subnormal or zero) is handed to the plain loop whole, as the plain loop hands such blocks to
+//! its exact path.
+
+use std::arch::x86_64::*;
+
+use super::{BLOCK, BlockOrder, ScaleRule, quantize_bf16_block, quantize_rows_body};
+use crate::KernelError;
+
+/// Whether this CPU has the instructions.
+pub(super) fn available() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw")
+}
+
+/// [`quantize_rows_body`] with blocks quantized four at a time by [`four`], else by [`one`].
+///
+/// # Safety
+/// The CPU must have AVX-512 F and BW ([`available`]).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn quantize_rows(
+    bf16: &[u8],
+    k: usize,
+    rule: ScaleRule,
+    order: BlockOrder<'_>,
+    dst_of: Option<&[u32]>,
+    elements: &mut [u8],
+    scales: &mut [u8],
+    after_row: impl FnMut(&[u8], &[u8], &[u8]),
+) -> Result<(), KernelError> {
+    quantize_rows_body(
+        bf16,
+        k,
+        rule,
+        order,
+        dst_of,
+        elements,
+        scales,
+        after_row,
+        // SAFETY (both): this function runs only where the CPU has the instructions.
+        |src, rule, dst| unsafe { one(src, rule, dst) },
+        |src, rule, dst| unsafe { four(src, rule, dst) },
+    )
+}
+
+/// [`quantize_bf16_block`] of one block. Inlined into its caller, whose target features its
+/// intrinsics then take (a call per block cost as much as the block).
+///
+/// # Safety
+/// Only for code compiled with AVX-512 F and BW enabled ([`quantize_rows`]).
+#[inline(always)]
+unsafe fn one(src: &[u8; BLOCK * 2], rule: ScaleRule, dst: &mut [u8]) -> Result<u8, usize> {
+    assert_eq!(dst.len(), BLOCK, "a block's elements");
+    // SAFETY: the caller's code has the instructions; `src` holds 64 bytes, the register's
+    // width, and `dst` 32 (asserted above).
+    unsafe {
+        let h = _mm512_loadu_si512(src.as_ptr().cast());
+        let magnitude = _mm512_and_si512(h, _mm512_set1_epi16(0x7FFF));
+        let m = _mm512_max_epu16(magnitude, _mm512_shuffle_i64x2::<0b01_00_11_10>(magnitude, magnitude));
+        let m = _mm512_max_epu16(m, _mm512_shuffle_i64x2::<0b10_11_00_01>(m, m));
+        let (scale, outside) = scales_of(m, rule);
+        if outside != 0 {
+            return plain(src, rule, dst);
+        }
+        if !place(h, magnitude, scale, dst.as_mut_ptr()) {
+            return plain(src, rule, dst);
+        }
+        Ok(_mm_cvtsi128_si32(_mm512_castsi512_si128(scale)) as u8)
+    }
+}
+
+/// Four blocks at once: their scale bytes, or `None` (nothing written that counts) when one of
+/// them must go through [`one`].
+///
+/// # Safety
+/// As [`one`].
+#[inline(always)]
+unsafe fn four(src: [&[u8; BLOCK * 2]; 4], rule: ScaleRule, dst: &mut [u8]) -> Option<[u8; 4]> {
+    assert_eq!(dst.len(), 4 * BLOCK, "four blocks' elements");
+    // SAFETY: as in `one`; `dst` holds 128 bytes (asserted above).
+    unsafe {
+        let h = src.map(|s| _mm512_loadu_si512(s.as_ptr().cast()));
+        let magnitude = h.map(|h| _mm512_and_si512(h, _mm512_set1_epi16(0x7FFF)));
+        // The halves' maxima of blocks 0 and 1, then of 2 and 3, side by side; then the
+        // quarters' maxima of all four, block i in 128-bit lane i.
+        let pair = |a, b| _mm512_max_epu16(_mm512_shuffle_i64x2::<0b01_00_01_00>(a, b), _mm512_shuffle_i64x2::<0b11_10_11_10>(a, b));
+        let (low, high) = (pair(magnitude[0], magnitude[1]), pair(magnitude[2], magnitude[3]));
+        let m = _mm512_max_epu16(_mm512_shuffle_i64x2::<0b10_00_10_00>(low, high), _mm512_shuffle_i64x2::<0b11_01_11_01>(low, high));
+        let (scale, outside) = scales_of(m, rule);
+        if outside != 0 {
+            return None;
+        }
+        let lane = [
+            _mm512_shuffle_i64x2::<0b00_00_00_00>(scale, scale),
+            _mm512_shuffle_i64x2::<0b01_01_01_01>(scale, scale),
+            _mm512_shuffle_i64x2::<0b10_10_10_10>(scale, scale),
+            _mm512_shuffle_i64x2::<0b11_11_11_11>(scale, scale),
+        ];
+        let out = dst.as_mut_ptr();
+        let mut exact = true;
+        for i in 0..4 {
+            exact &= place(h[i], magnitude[i], lane[i], out.add(i * BLOCK));
+        }
+        if !exact {
+            return None;
+        }
+        let mut words = [0u16; 32];
+        _mm512_storeu_si512(words.as_mut_ptr().cast(), scale);
+        Some([words[0] as u8, words[8] as u8, words[16] as u8, words[24] as u8])
+    }
+}
+
+/// From each 128-bit lane's maxima of its block (eight words, before the last three steps of
+/// the reduction): the block's scale byte in every word of the lane, and the lanes whose block
+/// must be handed back (a nonzero mask) because its maximum is zero, below 2^-117 (E < 10), or
+/// a NaN or an infinity.
+///
+/// The scale without the division: with the maximum's biased exponent E >= 10 and mantissa f,
+/// amax / 448 = (128 + f) / 7 * 2^(E - 140) is an f32 normal, in [16, 32) * 2^(E - 140) for
+/// f < 96, exactly 32 * 2^(E - 140) for f = 96 and in (32, 37) * 2^(E - 140) above. So rceil's
+/// exponent is E - 135, plus 1 for f > 96, floor's is E - 135, both within the clamp, and the
+/// byte adds 127. `blocks_match_the_plain_loop_at_every_magnitude` checks every E and f.
+///
+/// # Safety
+/// As [`one`].
+#[inline(always)]
+unsafe fn scales_of(m: __m512i, rule: ScaleRule) -> (__m512i, u32) {
+    // SAFETY: the caller's code has the instructions.
+    unsafe {
+        let m = _mm512_max_epu16(m, _mm512_shuffle_epi32::<0b01_00_11_10>(m));
+        let m = _mm512_max_epu16(m, _mm512_shuffle_epi32::<0b10_11_00_01>(m));
+        let amax = _mm512_max_epu16(m, _mm512_rol_epi32::<16>(m));
+        let amax_exponent = _mm512_srli_epi16::<7>(amax);
+        let rounds_up = match rule {
+            ScaleRule::Rceil => {
+                _mm512_srli_epi16::<7>(_mm512_add_epi16(_mm512_and_si512(amax, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(31)))
+            }
+            ScaleRule::Floor => _mm512_setzero_si512(),
+        };
+        let scale = _mm512_add_epi16(_mm512_sub_epi16(amax_exponent, _mm512_set1_epi16(8)), rounds_up);
+        let outside =
+            _mm512_cmplt_epu16_mask(amax_exponent, _mm512_set1_epi16(10)) | _mm512_cmpeq_epi16_mask(amax_exponent, _mm512_set1_epi16(0xFF));
+        (scale, outside)
+    }
+}
+
+/// Writes the 32 E4M3 bytes of the block `h` (its `magnitude`s) with the scale byte `scale` in
+/// every word, or returns false, having written bytes that do not count, when an element is
+/// zero, a subnormal or below E4M3's normals after scaling.
+///
+/// # Safety
+/// As [`one`]; `out` must be writable for 32 bytes.
+#[inline(always)]
+unsafe fn place(h: __m512i, magnitude: __m512i, scale: __m512i, out: *mut u8) -> bool {
+    // SAFETY: the caller's code has the instructions and `out` 32 writable bytes.
+    unsafe {
+        // Each element's scaled exponent t = E - 127 - e (the scale byte is e + 127); t >= -6
+        // gives an E4M3 normal.
+        let exponent = _mm512_srli_epi16::<7>(magnitude);
+        let t = _mm512_sub_epi16(exponent, scale);
+        let outside = _mm512_cmpeq_epi16_mask(exponent, _mm512_setzero_si512()) | _mm512_cmplt_epi16_mask(t, _mm512_set1_epi16(-6));
+        // x = (min(t, 9) + 7) << 7 | the 7 mantissa bits, then rounded to nearest even from 7
+        // mantissa bits to 3: (x + 7 + ((x >> 4) & 1)) >> 4, saturated at 0x7E, and the sign.
+        let biased = _mm512_add_epi16(_mm512_min_epi16(t, _mm512_set1_epi16(9)), _mm512_set1_epi16(7));
+        let x = _mm512_or_si512(_mm512_slli_epi16::<7>(biased), _mm512_and_si512(h, _mm512_set1_epi16(0x7F)));
+        let odd = _mm512_and_si512(_mm512_srli_epi16::<4>(x), _mm512_set1_epi16(1));
+        let rounded = _mm512_srli_epi16::<4>(_mm512_add_epi16(x, _mm512_add_epi16(odd, _mm512_set1_epi16(7))));
+        let sign = _mm512_and_si512(_mm512_srli_epi16::<8>(h), _mm512_set1_epi16(0x80));
+        let words = _mm512_or_si512(_mm512_min_epu16(rounded, _mm512_set1_epi16(0x7E)), sign);
+        // The words as bytes, in order, in the low half: packed within each 128-bit lane, then
+        // the lanes' first halves gathered (LLVM's truncating store, `vpmovwb`, is slow).
+        let packed = _mm512_packus_epi16(words, words);
+        let bytes = _mm512_castsi512_si256(_mm512_permutexvar_epi64(_mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0), packed));
+        _mm256_storeu_si256(out.cast(), bytes);
+        outside == 0
+    }
+}
+
+/// The plain loop, for the blocks [`one`] hands back: kept out of line, so that its scalar
+/// loads are not scheduled on the vector path.
+#[cold]
+#[inline(never)]
+fn plain(src: &[u8; BLOCK * 2], rule: ScaleRule, dst: &mut [u8]) -> Result<u8, usize> {
+    quantize_bf16_block(src, rule, dst)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn with_instructions(src: &[u8; BLOCK * 2], rule: ScaleRule, dst: &mut [u8]) -> Result<u8, usize> {
+        // SAFETY: compiled with the instructions.
+        unsafe { one(src, rule, dst) }
+    }
+
+    fn quantize_block(src: &[u8; BLOCK * 2], rule: ScaleRule, dst: &mut [u8]) -> Result<u8, usize> {
+        // SAFETY: the tests call this only where `available` holds.
+        unsafe { with_instructions(src, rule, dst) }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn four_with_instructions(src: [&[u8; BLOCK * 2]; 4], rule: ScaleRule, dst: &mut [u8]) -> Option<[u8; 4]> {
+        // SAFETY: compiled with the instructions.
+        unsafe { four(src, rule, dst) }
+    }
+
+    /// Groups of four blocks, each of its own scale (some of them handed back): what `four`
+    /// takes, it writes and scales as the plain loop does each block, in its place.
+    #[test]
+    fn four_blocks_match_the_plain_loop() {
+        if !available() {
+            return;
+        }
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut taken = 0;
+        for round in 0..20_000 {
+            let blocks: [[u8; BLOCK * 2]; 4] = std::array::from_fn(|_| {
+                let (base, spread) = (1 + next() % 253, if next() % 50 == 0 { 40 } else { 4 });
+                let mut src = [0u8; BLOCK * 2];
+                for i in 0..BLOCK {
+                    let v = next();
+                    let h = ((v >> 63) as u16) << 15 | ((base + (v >> 20) % spread).min(254) as u16) << 7 | (v as u16 & 0x7F);
+                    src[2 * i..2 * i + 2].copy_from_slice(&h.to_le_bytes());
+                }
+                src
+            });
+            for rule in [ScaleRule::Rceil, ScaleRule::Floor] {
+                let mut got = [0xA5u8; 4 * BLOCK];
+                // SAFETY: checked `available` above.
+                let Some(scales) = (unsafe { four_with_instructions(std::array::from_fn(|i| &blocks[i]), rule, &mut got) }) else {
+                    continue;
+                };
+                taken += 1;
+                for (i, block) in blocks.iter().enumerate() {
+                    let mut want = [0u8; BLOCK];
+                    assert_eq!(Ok(scales[i]), quantize_bf16_block(block, rule, &mut want), "round {round} block {i} {rule:?}");
+                    assert_eq!(got[i * BLOCK..(i + 1) * BLOCK], want, "round {round} block {i} {rule:?}");
+                }
+            }
+        }
+        assert!(taken > 20_000, "four took {taken} of 40000 groups");
+    }
+
+    /// Every block class the plain loop distinguishes, both rules: the same bytes and scale, the
+    /// same error.
+    #[test]
+    fn blocks_match_the_plain_loop() {
+        if !available() {
+            return;
+        }
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for round in 0..200_000 {
+            let mut src = [0u8; BLOCK * 2];
+            let r = next();
+            // Narrow exponent spreads make normal blocks; wide ones subnormal results.
+            let spread = [2u64, 6, 12, 255][(r % 4) as usize];
+            let base = 1 + (r >> 8) % 250;
+            for i in 0..BLOCK {
+                let v = next();
+                let exponent = (base + (v >> 20) % spread).min(255) as u16;
+                let mut h = ((v >> 60) as u16 & 1) << 15 | exponent << 7 | (v as u16 & 0x7F);
+                match (round % 97, i) {
+                    (0, 3) => h = 0x7F80,   // +inf
+                    (1, 5) => h = 0xFFC1,   // NaN
+                    (2, _) => h &= 0x8000,  // all (signed) zeros
+                    (3, 9) => h = 0x0001,   // a subnormal input
+                    (4, 11) => h &= 0x8000, // one zero
+                    _ => {}
+                }
+                src[2 * i..2 * i + 2].copy_from_slice(&h.to_le_bytes());
+            }
+            for rule in [ScaleRule::Rceil, ScaleRule::Floor] {
+                let (mut want, mut got) = ([0u8; BLOCK], [0xA5u8; BLOCK]);
+                let expected = quantize_bf16_block(&src, rule, &mut want);
+                let result = quantize_block(&src, rule, &mut got);
+                assert_eq!(result, expected, "round {round} {rule:?}");
+                if expected.is_ok() {
+                    assert_eq!(got, want, "round {round} {rule:?}");
+                }
+            }
+        }
+    }
+
+    /// Every positive finite BF16 magnitude as a block's maximum, with both signs, both rules:
+    /// the scale byte without a division is the plain loop's, and so are the bytes.
+    #[test]
+    fn blocks_match_the_plain_loop_at_every_magnitude() {
+        if !available() {
+            return;
+        }
+        for amax in 1..0x7F80u16 {
+            let mut src = [0u8; BLOCK * 2];
+            for i in 0..BLOCK {
+                // Smaller elements spread over the next few binades, some negative.
+                let below = (i as u16 % 5) << 7 | (i as u16 * 37) & 0x7F;
+                let h = if i == 13 { amax } else { amax.saturating_sub(below).max(1) } | (u16::from((i as u16).is_multiple_of(3))) << 15;
+                src[2 * i..2 * i + 2].copy_from_slice(&h.to_le_bytes());
+            }
+            for rule in [ScaleRule::Rceil, ScaleRule::Floor] {
+                let (mut want, mut got) = ([0u8; BLOCK], [0xA5u8; BLOCK]);
+                assert_eq!(quantize_block(&src, rule, &mut got), quantize_bf16_block(&src, rule, &mut want), "amax {amax:#06x} {rule:?}");
+                assert_eq!(got, want, "amax {amax:#06x} {rule:?}");
+            }
+        }
+    }
+}
