@@ -217,6 +217,16 @@ mod tests {
         unsafe { four(src, rule, dst) }
     }
 
+    /// A xorshift64 sequence from `x`.
+    fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        }
+    }
+
     /// Groups of four blocks, each of its own scale (some of them handed back): what `four`
     /// takes, it writes and scales as the plain loop does each block, in its place.
     #[test]
@@ -224,17 +234,11 @@ mod tests {
         if !available() {
             return;
         }
-        let mut x = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x2545_F491_4F6C_DD1Du64);
         let mut taken = 0;
         for round in 0..20_000 {
             let blocks: [[u8; BLOCK * 2]; 4] = std::array::from_fn(|_| {
-                let (base, spread) = (1 + next() % 253, if next() % 50 == 0 { 40 } else { 4 });
+                let (base, spread) = (1 + next() % 253, if next().is_multiple_of(50) { 40 } else { 4 });
                 let mut src = [0u8; BLOCK * 2];
                 for i in 0..BLOCK {
                     let v = next();
@@ -267,13 +271,7 @@ mod tests {
         if !available() {
             return;
         }
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15u64);
         for round in 0..200_000 {
             let mut src = [0u8; BLOCK * 2];
             let r = next();
