@@ -46,10 +46,15 @@ struct Plan {
     keep_staging_buffers: bool,
 }
 
+/// Weights that probes and reports may read while the rank goes on.
+type SharedWeights = Arc<RankWeights<AnyBackend>>;
+
 #[derive(Default)]
 struct State {
     plan: Option<Plan>,
-    weights: Option<RankWeights<AnyBackend>>,
+    /// The active weights, shared with the probes and reports that read them: those hold the
+    /// state lock only to take them and to answer, never while they compute.
+    weights: Option<SharedWeights>,
     /// A staged version (rolling update): loaded beside the active weights, swapped in by Commit.
     shadow: Option<Staged>,
     /// Buffers kept for the next stage (with `keep_staging_buffers`): the weights of a version
@@ -60,7 +65,7 @@ struct State {
     /// The version the last Commit replaced, kept so that an explicit, journaled abort of the
     /// update can swap it back; dropped (or kept as `spare`) by Release (the update ended) or the
     /// next Stage (so the rank never holds more than two versions).
-    previous: Option<(RankWeights<AnyBackend>, Arc<LoadSource>)>,
+    previous: Option<(SharedWeights, Arc<LoadSource>)>,
     /// Bumped by every Stage and Abort: a stage stores its result only if no later Stage or
     /// Abort came meanwhile (a stage abandoned by a coordinator that died can never land after
     /// its successor aborted or restaged).
@@ -92,7 +97,7 @@ struct State {
 struct Staged {
     /// Shared with the first half of a verification probe while it computes (see
     /// [`pb::ProbePhase`]).
-    weights: Arc<RankWeights<AnyBackend>>,
+    weights: SharedWeights,
     source: Arc<LoadSource>,
     /// Its round trip, run by the stage on the background pool once the weights were in place
     /// (nothing writes them between the stage and the commit, so the verdict of a report on
@@ -218,7 +223,7 @@ pub struct WorkerService {
     health: Option<crate::grpc::Health>,
     /// What the reference computed for the versions and probes this rank was asked about
     /// (keyed by everything the reference depends on, so it outlives any one plan). Locked by
-    /// a probe while it holds the state lock.
+    /// a probe only to look up and to store, never while it holds the state lock.
     reference_cache: Arc<Mutex<crate::probe::ReferenceCache>>,
 }
 
@@ -302,7 +307,7 @@ fn prepare_spare(
 }
 
 /// The active weights and their source, or the staged ones.
-fn weights_of(st: &State, shadow: bool) -> Result<(&RankWeights<AnyBackend>, &LoadSource), Status> {
+fn weights_of(st: &State, shadow: bool) -> Result<(&SharedWeights, &Arc<LoadSource>), Status> {
     if shadow {
         let staged = st.shadow.as_ref().ok_or_else(|| Status::failed_precondition("nothing staged"))?;
         Ok((&staged.weights, &staged.source))
@@ -310,6 +315,25 @@ fn weights_of(st: &State, shadow: bool) -> Result<(&RankWeights<AnyBackend>, &Lo
         let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
         Ok((st.weights.as_ref().ok_or_else(|| Status::failed_precondition("not loaded"))?, &plan.source))
     }
+}
+
+/// What a probe or report computes on, taken under the state lock and read without it: the
+/// plan, the active (or staged) weights and their source.
+fn snapshot(st: &State, shadow: bool) -> Result<(Plan, SharedWeights, Arc<LoadSource>), Status> {
+    let plan = st.plan.clone().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+    let (w, source) = weights_of(st, shadow)?;
+    Ok((plan, w.clone(), source.clone()))
+}
+
+/// Whether `w` is still what the rank holds as active (or staged) weights.
+fn still_holds(st: &State, shadow: bool, w: &SharedWeights) -> bool {
+    weights_of(st, shadow).is_ok_and(|(now, _)| Arc::ptr_eq(now, w))
+}
+
+/// Owned weights out of shared ones, when nothing else reads them (else they are freed when the
+/// last reader ends).
+fn unshared(w: SharedWeights) -> Option<RankWeights<AnyBackend>> {
+    Arc::try_unwrap(w).ok()
 }
 
 /// The versions a rank holds: active (empty before the first load) and staged (empty when
@@ -379,8 +403,8 @@ impl WorkerService {
     }
 
     /// Runs `f` on the rank's state on a blocking thread: the state lock can be held for seconds
-    /// by a probe (its ring all-reduce), and waiting for it must never block the runtime that
-    /// sends this worker's heartbeats.
+    /// by a probe's ring all-reduce (waiting on its peers), and waiting for it must never block
+    /// the runtime that sends this worker's heartbeats.
     async fn with_state<T: Send + 'static>(&self, f: impl FnOnce(&mut State) -> Result<T, Status> + Send + 'static) -> Result<T, Status> {
         let state = self.state.clone();
         tokio::task::spawn_blocking(move || f(&mut lock(&state))).await.map_err(|e| Status::internal(e.to_string()))?
@@ -408,7 +432,7 @@ impl WorkerService {
             let mut st = lock(&self.state);
             if shadow {
                 st.stage_epoch += 1;
-                keep_or_drop(&mut st, |st| st.previous.take().map(|(w, _)| w));
+                keep_or_drop(&mut st, |st| st.previous.take().and_then(|(w, _)| unshared(w)));
             }
             let epoch = st.stage_epoch;
             let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned yet (call Assign first)"))?;
@@ -499,12 +523,16 @@ impl WorkerService {
                     round_trip_s = t.elapsed().as_secs_f64();
                     return Ok((w, Some(rt)));
                 }
+                // The active weights' buffers are reloaded in place, unless a probe or report still
+                // reads them (it finds them gone when it answers): then into fresh ones.
                 let previous = lock(&state).weights.take();
-                let mut w = match previous {
+                let generation = previous.as_ref().map_or(0, |w| w.generation);
+                let mut w = match previous.and_then(unshared) {
                     Some(old) => loader.reload_with_progress(old, &source, &progress),
                     None => loader.load_with_progress(&source, &progress),
                 }
                 .map_err(|e| Status::internal(format!("load: {e:#}")))?;
+                w.generation = generation + 1;
                 let injected = match fault {
                     pb::Fault::SkipPermute => Some(Fault::SkipQPermutation),
                     pb::Fault::DoublePermute => Some(Fault::DoubleQPermutation),
@@ -549,7 +577,7 @@ impl WorkerService {
                         st.shadow =
                             Some(Staged { weights: Arc::new(w), source, round_trip: round_trip.unwrap_or_default(), path, seconds });
                     } else {
-                        st.weights = Some(w);
+                        st.weights = Some(Arc::new(w));
                         st.committed_round_trip = None;
                         st.load_seconds = seconds;
                         st.load_path = path;
@@ -724,7 +752,7 @@ impl Worker for WorkerService {
             st.committed_round_trip = Some((w.generation, round_trip));
             let replaced = st.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
             st.previous = st.weights.take().zip(replaced);
-            st.weights = Some(w);
+            st.weights = Some(Arc::new(w));
             st.previous_seconds = std::mem::replace(&mut st.load_seconds, seconds);
             st.previous_path = std::mem::replace(&mut st.load_path, path);
             if let Some(p) = &st.plan {
@@ -749,7 +777,7 @@ impl Worker for WorkerService {
         self.with_state(move |st| {
             st.computed = None;
             // Weights a verification probe still computes on are freed when it ends, not kept.
-            keep_or_drop(st, |st| st.shadow.take().and_then(|s| Arc::try_unwrap(s.weights).ok()));
+            keep_or_drop(st, |st| st.shadow.take().and_then(|s| unshared(s.weights)));
             st.stage_epoch += 1;
             if rollback {
                 let kept = st.previous.as_ref().map(|(_, s)| s.version());
@@ -760,13 +788,21 @@ impl Worker for WorkerService {
                     }
                     Some(_) => {}
                 }
-                let (mut w, source) = st.previous.take().ok_or_else(|| Status::failed_precondition("abort: nothing kept"))?;
+                let (kept, source) = st.previous.take().ok_or_else(|| Status::failed_precondition("abort: nothing kept"))?;
+                let mut w = match Arc::try_unwrap(kept) {
+                    Ok(w) => w,
+                    Err(kept) => {
+                        // A probe or report that began before the commit still reads them.
+                        st.previous = Some((kept, source));
+                        return Err(Status::unavailable("abort: the kept version is still being read (ask again)"));
+                    }
+                };
                 w.generation = st.weights.as_ref().map_or(1, |cur| cur.generation + 1);
                 st.committed_round_trip = None;
                 if let Some(p) = st.plan.as_mut() {
                     p.source = source;
                 }
-                st.weights = Some(w);
+                st.weights = Some(Arc::new(w));
                 st.load_seconds = st.previous_seconds;
                 st.load_path = st.previous_path;
                 if let Some(p) = &st.plan {
@@ -781,7 +817,7 @@ impl Worker for WorkerService {
 
     async fn release(&self, _request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
         self.with_state(|st| {
-            keep_or_drop(st, |st| st.previous.take().map(|(w, _)| w));
+            keep_or_drop(st, |st| st.previous.take().and_then(|(w, _)| unshared(w)));
             Ok(pb::ReleaseResponse {})
         })
         .await
@@ -815,12 +851,22 @@ impl Worker for WorkerService {
                         ..Default::default()
                     }));
                 }
-                let (w, source) = weights_of(&st, shadow)?;
-                let rt = match (&st.shadow, shadow, &st.committed_round_trip) {
-                    (Some(staged), true, _) => staged.round_trip.clone(),
-                    (_, false, Some((generation, rt))) if kept_round_trip && *generation == w.generation => rt.clone(),
-                    _ => check_rank(&*backend, w, source),
+                // What the report says of the rank, as it is now; the round trip, where one runs,
+                // reads the weights without the state lock (probes go on meanwhile).
+                let (plan, w, source) = snapshot(&st, shadow)?;
+                let kept = match (&st.shadow, shadow, &st.committed_round_trip) {
+                    (Some(staged), true, _) => Some(staged.round_trip.clone()),
+                    (_, false, Some((generation, rt))) if kept_round_trip && *generation == w.generation => Some(rt.clone()),
+                    _ => None,
                 };
+                let (load_seconds, staged_version, spare_buffers) = (st.load_seconds, versions_of(&st).1, st.spare.is_some());
+                let previous_version = st.previous.as_ref().map(|(_, s)| s.version()).unwrap_or_default();
+                let load_path = match (&st.shadow, shadow) {
+                    (Some(staged), true) => staged.path,
+                    _ => st.load_path,
+                };
+                drop(st);
+                let rt = kept.unwrap_or_else(|| check_rank(&*backend, &w, &source));
                 let id = &w.identity;
                 let canonical = id.canonical_text();
                 let geometry_text: String = canonical.lines().filter(|l| !l.starts_with("rank=")).map(|l| format!("{l}\n")).collect();
@@ -860,15 +906,12 @@ impl Worker for WorkerService {
                         .collect(),
                     round_trip_ok: rt.ok,
                     round_trip_failures: rt.failures,
-                    load_seconds: st.load_seconds,
+                    load_seconds,
                     generation: w.generation,
-                    staged_version: versions_of(&st).1,
-                    previous_version: st.previous.as_ref().map(|(_, s)| s.version()).unwrap_or_default(),
-                    load_path: match (&st.shadow, shadow) {
-                        (Some(staged), true) => staged.path.into(),
-                        _ => st.load_path.into(),
-                    },
-                    spare_buffers: st.spare.is_some(),
+                    staged_version,
+                    previous_version,
+                    load_path: load_path.into(),
+                    spare_buffers,
                 }))
             };
             // The round trip of a staged version is background work too.
@@ -896,28 +939,22 @@ impl Worker for WorkerService {
                     .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
                 let check = !r.skip_reference;
                 match phase {
-                    pb::ProbePhase::Whole => {
-                        let mut st = lock(&state);
-                        let st = &mut *st;
-                        let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
-                        let (w, source) = weights_of(st, r.shadow)?;
-                        let c = compute_probe(&backend, plan, w, source, spec, check, &reference_cache)?;
-                        reduce_and_answer(st, &backend, &r, c).map(Response::new)
-                    }
-                    pb::ProbePhase::Compute => {
-                        // The staged weights are shared, not borrowed: nothing is locked while
-                        // they compute, so serving probes and reports of this rank go on.
-                        let (plan, weights, source) = {
-                            let st = lock(&state);
-                            let plan = st.plan.clone().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
-                            let staged = st.shadow.as_ref().ok_or_else(|| Status::failed_precondition("nothing staged"))?;
-                            (plan, staged.weights.clone(), staged.source.clone())
-                        };
+                    pb::ProbePhase::Whole | pb::ProbePhase::Compute => {
+                        // The weights are shared, not borrowed: nothing is locked while they
+                        // compute, so the rank's other probes, reports and updates go on.
+                        let (plan, weights, source) = snapshot(&lock(&state), r.shadow)?;
                         let c = compute_probe(&backend, &plan, &weights, &source, spec, check, &reference_cache)?;
                         let mut st = lock(&state);
+                        let holds = still_holds(&st, r.shadow, &weights);
+                        if phase == pb::ProbePhase::Whole {
+                            if !holds {
+                                return Err(Status::aborted("probe: the weights it computed on were replaced meanwhile (ask again)"));
+                            }
+                            return reduce_and_answer(&mut st, &backend, &r, c).map(Response::new);
+                        }
                         let answer = answer_of(&st, &c, String::new(), 0.0);
                         // Kept only while it is of what the rank has staged.
-                        if st.shadow.as_ref().is_some_and(|s| Arc::ptr_eq(&s.weights, &weights)) {
+                        if holds {
                             st.computed = Some(Computed { weights: Arc::downgrade(&weights), spec, check, probe: c });
                         }
                         Ok(Response::new(answer))
@@ -1294,13 +1331,13 @@ mod tests {
         // The committed weights damaged in place (wq_b back in checkpoint order).
         {
             let mut st = lock(&svc.state);
-            let w = st.weights.as_mut().unwrap();
+            let w = Arc::get_mut(st.weights.as_mut().unwrap()).unwrap();
             crate::faults::inject_on(&*svc.backend, w, Fault::SkipQPermutation).unwrap();
         }
         assert!(!round_trip_ok(&svc, false).await, "a fresh round trip reads what the rank holds");
         assert!(round_trip_ok(&svc, true).await, "the kept verdict is the stage's");
         // Another generation of weights: the kept verdict no longer answers.
-        lock(&svc.state).weights.as_mut().unwrap().generation += 1;
+        Arc::get_mut(lock(&svc.state).weights.as_mut().unwrap()).unwrap().generation += 1;
         assert!(!round_trip_ok(&svc, true).await);
     }
 
@@ -1343,5 +1380,70 @@ mod tests {
         drop(computing);
         commit().await.unwrap();
         assert!(lock(&svc.state).shadow.is_none());
+    }
+
+    /// A probe computes on the active weights without the state lock: while one is held up in
+    /// its computation (here at the reference cache, which a thread of the test holds), a full report with
+    /// its round trip, a release and a reload of the rank all answer; the probe then answers
+    /// nothing for weights the rank no longer holds, and the next probe reads the new ones.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_probe_computes_without_the_state_lock_and_answers_only_for_the_weights_it_read() {
+        use std::time::Duration;
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, src) = loaded_worker(tmp.path()).await;
+        // The cache is held by a thread of its own until `release` is dropped (also on a panic).
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let (locked, is_locked) = std::sync::mpsc::channel();
+        let cache = svc.reference_cache.clone();
+        let holder = std::thread::spawn(move || {
+            let _held = cache.lock().unwrap();
+            locked.send(()).unwrap();
+            let _ = released.recv();
+        });
+        is_locked.recv().unwrap();
+        let probing = tokio::spawn({
+            let svc = svc.clone();
+            async move { probe(&svc, pb::ProbePhase::Whole, false, 0).await }
+        });
+        // The probe took the weights (a second reference to them), then waits for the cache,
+        // leaving the state lock free (tried, never waited for: a probe that kept it would
+        // hold it until the test lets the cache go).
+        let active = || lock(&svc.state).weights.clone().unwrap();
+        let mut waited = 0;
+        while !svc.state.try_lock().is_ok_and(|st| st.weights.as_ref().is_some_and(|w| Arc::strong_count(w) == 2)) {
+            assert!(waited < 10_000, "the probe never took the weights, or kept the state lock");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            waited += 1;
+        }
+        let before = active().generation;
+        async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+            tokio::time::timeout(Duration::from_secs(30), f).await.unwrap_or_else(|_| panic!("{what} waited for the probe"))
+        }
+        assert!(within("a report", round_trip_ok(&svc, false)).await);
+        within("a release", svc.release(Request::new(pb::ReleaseRequest {}))).await.unwrap();
+        let reload = svc.reload(Request::new(pb::ReloadRequest { source: Some(src("B")) }));
+        within("a reload", async { drain(reload.await).await }).await;
+        assert_eq!(active().generation, before + 1, "reloaded (into fresh buffers: the probe still reads the old ones)");
+        drop(release);
+        holder.join().unwrap();
+        assert_eq!(probing.await.unwrap().unwrap_err().code(), tonic::Code::Aborted, "the weights it read were replaced");
+        let fresh = probe(&svc, pb::ProbePhase::Whole, false, 0).await.unwrap();
+        assert!(fresh.ok && fresh.generation == before + 1);
+    }
+
+    /// A rollback swaps the kept version back only when nothing reads it any more.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rollback_waits_for_readers_of_the_kept_version() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, src) = loaded_worker(tmp.path()).await;
+        let a = lock(&svc.state).plan.as_ref().unwrap().source.version();
+        stage(&svc, src("B")).await;
+        svc.commit(Request::new(pb::CommitRequest { expected_version: String::new() })).await.unwrap();
+        let reading = lock(&svc.state).previous.as_ref().unwrap().0.clone();
+        let rollback = || svc.abort(Request::new(pb::AbortRequest { rollback: true, expected_version: a.clone() }));
+        assert_eq!(rollback().await.unwrap_err().code(), tonic::Code::Unavailable);
+        assert!(lock(&svc.state).previous.is_some(), "still kept");
+        drop(reading);
+        assert_eq!(rollback().await.unwrap().into_inner().checkpoint_version, a);
     }
 }
