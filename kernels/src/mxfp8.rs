@@ -236,8 +236,25 @@ fn quantize_rows_with(
     };
     #[cfg(target_arch = "x86_64")]
     if avx512::available() {
-        // SAFETY: the CPU has the instructions (checked just above).
-        return unsafe { avx512::quantize_rows(bf16, k, rule, order, dst_of, elements, scales, after_row) };
+        // Blocks four at a time where a row's groups allow, else one by one. SAFETY: the CPU
+        // has the instructions (checked just above), and `one` and `four` run inside
+        // `with_instructions`.
+        return unsafe {
+            avx512::with_instructions(|| {
+                quantize_rows_body(
+                    bf16,
+                    k,
+                    rule,
+                    order,
+                    dst_of,
+                    elements,
+                    scales,
+                    after_row,
+                    |src, rule, dst| avx512::one(src, rule, dst),
+                    |src, rule, dst| avx512::four(src, rule, dst),
+                )
+            })
+        };
     }
     crate::simd::dispatch!(quantize_rows_body(bf16, k, rule, order, dst_of, elements, scales, after_row, quantize_bf16_block, |_, _, _| {
         None

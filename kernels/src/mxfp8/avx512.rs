@@ -16,52 +16,33 @@
 
 use std::arch::x86_64::*;
 
-use super::{BLOCK, BlockOrder, ScaleRule, quantize_bf16_block, quantize_rows_body};
-use crate::KernelError;
+#[cfg(doc)]
+use super::quantize_rows_body;
+use super::{BLOCK, ScaleRule, quantize_bf16_block};
 
 /// Whether this CPU has the instructions.
 pub(super) fn available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw")
 }
 
-/// [`quantize_rows_body`] with blocks quantized four at a time by [`four`], else by [`one`].
+/// Runs `f` compiled with AVX-512 F and BW (as `simd::dispatch!` does for AVX2): the
+/// [`quantize_rows_body`] it calls with [`one`] and [`four`] is inlined into it, and their
+/// intrinsics with it.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F and BW ([`available`]).
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(super) unsafe fn quantize_rows(
-    bf16: &[u8],
-    k: usize,
-    rule: ScaleRule,
-    order: BlockOrder<'_>,
-    dst_of: Option<&[u32]>,
-    elements: &mut [u8],
-    scales: &mut [u8],
-    after_row: impl FnMut(&[u8], &[u8], &[u8]),
-) -> Result<(), KernelError> {
-    quantize_rows_body(
-        bf16,
-        k,
-        rule,
-        order,
-        dst_of,
-        elements,
-        scales,
-        after_row,
-        // SAFETY (both): this function runs only where the CPU has the instructions.
-        |src, rule, dst| unsafe { one(src, rule, dst) },
-        |src, rule, dst| unsafe { four(src, rule, dst) },
-    )
+pub(super) unsafe fn with_instructions<R>(f: impl FnOnce() -> R) -> R {
+    f()
 }
 
 /// [`quantize_bf16_block`] of one block. Inlined into its caller, whose target features its
 /// intrinsics then take (a call per block cost as much as the block).
 ///
 /// # Safety
-/// Only for code compiled with AVX-512 F and BW enabled ([`quantize_rows`]).
+/// Only for code compiled with AVX-512 F and BW enabled ([`with_instructions`]).
 #[inline(always)]
-unsafe fn one(src: &[u8; BLOCK * 2], rule: ScaleRule, dst: &mut [u8]) -> Result<u8, usize> {
+pub(super) unsafe fn one(src: &[u8; BLOCK * 2], rule: ScaleRule, dst: &mut [u8]) -> Result<u8, usize> {
     assert_eq!(dst.len(), BLOCK, "a block's elements");
     // SAFETY: the caller's code has the instructions; `src` holds 64 bytes, the register's
     // width, and `dst` 32 (asserted above).
@@ -87,7 +68,7 @@ unsafe fn one(src: &[u8; BLOCK * 2], rule: ScaleRule, dst: &mut [u8]) -> Result<
 /// # Safety
 /// As [`one`].
 #[inline(always)]
-unsafe fn four(src: [&[u8; BLOCK * 2]; 4], rule: ScaleRule, dst: &mut [u8]) -> Option<[u8; 4]> {
+pub(super) unsafe fn four(src: [&[u8; BLOCK * 2]; 4], rule: ScaleRule, dst: &mut [u8]) -> Option<[u8; 4]> {
     assert_eq!(dst.len(), 4 * BLOCK, "four blocks' elements");
     // SAFETY: as in `one`; `dst` holds 128 bytes (asserted above).
     unsafe {
