@@ -740,14 +740,18 @@ impl Worker for WorkerService {
             if !expected.is_empty() && staged != expected {
                 return Err(Status::failed_precondition(format!("commit: staged version {staged}, expected {expected}")));
             }
-            if st.shadow.as_ref().is_some_and(|s| Arc::strong_count(&s.weights) > 1) {
-                // A verification probe still computes on them (asked again, the commit finds them free).
-                return Err(Status::unavailable("commit: the staged version is still being probed"));
-            }
-            st.computed = None;
             let Staged { weights, source, path, seconds, round_trip } =
                 st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
-            let mut w = Arc::try_unwrap(weights).map_err(|_| Status::unavailable("commit: the staged version is still being probed"))?;
+            let mut w = match Arc::try_unwrap(weights) {
+                Ok(w) => w,
+                Err(weights) => {
+                    // A verification probe still computes on them (asked again, the commit finds
+                    // them free).
+                    st.shadow = Some(Staged { weights, source, path, seconds, round_trip });
+                    return Err(Status::unavailable("commit: the staged version is still being probed"));
+                }
+            };
+            st.computed = None;
             w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
             st.committed_round_trip = Some((w.generation, round_trip));
             let replaced = st.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
