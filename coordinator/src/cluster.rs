@@ -615,10 +615,7 @@ impl Cluster {
         let groups: Vec<u32> = (0..self.dp).filter(|dp| group.is_none_or(|g| g == *dp)).collect();
         let ring = phase != pb::ProbePhase::Compute;
         let per_group = groups.into_iter().map(|dp| async move {
-            let _guard = match ring {
-                true => Some(self.group_locks[dp as usize].lock().await),
-                false => None,
-            };
+            let _guard = if ring { Some(self.group_locks[dp as usize].lock().await) } else { None };
             let peers: Vec<String> = self.workers.iter().filter(|w| w.dp == dp).map(|w| w.collective.clone()).collect();
             // GPU groups: the NCCL unique id their rank 0 created, relayed to every rank.
             let nccl = self.workers.iter().find(|w| w.dp == dp && w.tp == 0).map(|w| w.nccl_unique_id.clone()).unwrap_or_default();
