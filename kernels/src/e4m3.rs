@@ -12,13 +12,52 @@ pub const fn is_nan(byte: u8) -> bool {
     byte & 0x7F == 0x7F
 }
 
-/// Position of the first NaN byte (`0x7F` / `0xFF`), scanning eight bytes at a time: a byte's
-/// low seven bits are all ones exactly when adding 1 to them sets bit 7. Compiled for AVX2 too
-/// and chosen at run time (see [`crate::simd`]).
+/// Position of the first NaN byte (`0x7F` / `0xFF`). With AVX-512 BW, 256 bytes per step
+/// ([`avx512::find_nan`]: 42 GB/s in L2 on the development VM, where the AVX2 scan below gives
+/// 27 and bounds a warm FP8 reload with the digest); else eight bytes at a time, compiled for
+/// AVX2 too and chosen at run time (see [`crate::simd`]).
 pub fn find_nan(bytes: &[u8]) -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // SAFETY: the CPU has AVX-512 F and BW (checked just above).
+        return unsafe { avx512::find_nan(bytes) };
+    }
     crate::simd::dispatch!(find_nan_impl(bytes))
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw")
+    }
+
+    /// A byte is NaN exactly when it is `0xFF` once its sign bit is set: the maximum of four
+    /// registers of those finds whether a 256-byte group holds one, and the plain search then
+    /// finds where.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn find_nan(bytes: &[u8]) -> Option<usize> {
+        const GROUP: usize = 256;
+        let (sign, ones) = (_mm512_set1_epi8(0x80u8 as i8), _mm512_set1_epi8(-1));
+        let mut groups = bytes.chunks_exact(GROUP);
+        let mut base = 0;
+        for group in &mut groups {
+            // SAFETY: four 64-byte loads inside the group's 256 bytes.
+            let v: [__m512i; 4] =
+                std::array::from_fn(|i| unsafe { _mm512_or_si512(_mm512_loadu_si512(group.as_ptr().add(64 * i).cast()), sign) });
+            let max = _mm512_max_epu8(_mm512_max_epu8(v[0], v[1]), _mm512_max_epu8(v[2], v[3]));
+            if _mm512_cmpeq_epi8_mask(max, ones) != 0 {
+                return super::find_nan_impl(group).map(|i| base + i);
+            }
+            base += GROUP;
+        }
+        super::find_nan_impl(groups.remainder()).map(|i| base + i)
+    }
+}
+
+/// The scan eight bytes at a time: a byte's low seven bits are all ones exactly when adding 1
+/// to them sets bit 7.
 #[inline(always)]
 fn find_nan_impl(bytes: &[u8]) -> Option<usize> {
     const LOW7: u64 = 0x7F7F_7F7F_7F7F_7F7F;
@@ -131,12 +170,13 @@ pub fn from_f32_saturating(x: f32) -> u8 {
 
 #[cfg(test)]
 mod tests {
-    /// The baseline scan and the dispatched one (AVX2 where present) find the same first NaN.
+    /// The baseline scan and the dispatched one (AVX-512 or AVX2 where present) find the same
+    /// first NaN: in a 256-byte group, at its edges, and in the remainder after the last one.
     #[test]
     fn baseline_and_dispatched_nan_scans_agree() {
         let mut bytes: Vec<u8> = (0..5000u32).map(|i| (i.wrapping_mul(2654435761) >> 11) as u8 & 0x7E).collect();
         assert_eq!((find_nan(&bytes), find_nan_impl(&bytes)), (None, None));
-        for at in [0, 7, 63, 64, 1000, 4999] {
+        for at in [0, 7, 63, 64, 255, 256, 257, 1000, 4863, 4864, 4999] {
             for nan in [0x7F, 0xFF] {
                 let keep = bytes[at];
                 bytes[at] = nan;
@@ -162,7 +202,7 @@ mod tests {
 
     #[test]
     fn finds_nan_bytes_anywhere() {
-        for len in [0usize, 1, 7, 63, 64, 65, 200] {
+        for len in [0usize, 1, 7, 63, 64, 65, 200, 255, 256, 257, 511, 512, 1000] {
             let clean: Vec<u8> = (0..len).map(|i| (i % 127) as u8 & 0x7E).collect();
             assert_eq!(find_nan(&clean), None);
             for at in [0, len / 2, len.saturating_sub(1)] {
