@@ -4,11 +4,15 @@
 //! weight digest: the kernel hooks never change weight bytes, only the scale layout).
 //!
 //! - Checkpoint order: one pass (the placed bytes are the stored bytes, so one digest is both).
-//! - Chunk order (`wo_a`): one pass, row by row: each row is checked and digested, gathered,
-//!   and its gathered copy digested while it is still in cache.
+//! - Chunk order (`wo_a`): one pass, row by row: each row is checked and digested, gathered
+//!   into a row in cache, digested there and placed.
 //! - Row order (`wq_b`): the rows move across the whole tensor, so the stored bytes are checked
 //!   and digested in one pass, and gathered in a second, which digests each gathered run of
 //!   rows as it copies it (the destination is written, never read).
+//!
+//! A tensor of [`STREAMING_MIN_BYTES`] or more placed into a reused buffer (a reload) is written
+//! with non-temporal stores ([`copy_streaming`]): nothing reads it back soon, and each
+//! destination line is then written without being read first.
 //!
 //! The digests are the XXH3-64 of the bytes in storage order, exactly [`Digest::of`].
 
@@ -16,6 +20,7 @@ use crate::backend::resize_for_overwrite;
 use crate::digest::{Digest, DigestStream};
 use crate::e4m3::{digest_nan_free, find_nan};
 use crate::permutation::{BlockOrder, O_CHUNK};
+use crate::simd::{STREAMING_MIN_BYTES, copy_streaming};
 use crate::{KernelError, permutation};
 
 /// The digests of one placement.
@@ -52,6 +57,11 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
     if k == 0 || src.len() != rows * k {
         return Err(KernelError::Shape(format!("E4M3 weight has {} bytes, expected [{rows}, {k}]", src.len())));
     }
+    // A large tensor placed into a reused buffer is written past the caches (no reader soon,
+    // and no read for ownership of each destination line). A fresh buffer is not: the kernel
+    // zeroes each of its pages on the first store, which leaves the page's lines in cache.
+    let streaming = src.len() >= STREAMING_MIN_BYTES && dst.capacity() >= src.len();
+    let copy: fn(&mut [u8], &[u8]) = if streaming { copy_streaming } else { <[u8]>::copy_from_slice };
     match order {
         BlockOrder::Identity => {
             // Every byte is overwritten below (a reused buffer of this size is not touched).
@@ -62,7 +72,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
                     return Err(nan_at(i * STEP + at, k));
                 }
                 h.update(s);
-                d.copy_from_slice(s);
+                copy(d, s);
             }
             let d = h.finish();
             Ok(Placed { source: d, placed: d, quantized: None })
@@ -76,16 +86,19 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
             }
             resize_for_overwrite(dst, src.len());
             let (mut hs, mut hd) = (DigestStream::new(), DigestStream::new());
+            // Each row is gathered in cache, digested there, then placed.
+            let mut row = vec![0u8; k];
             for (r, (s, d)) in src.chunks_exact(k).zip(dst.chunks_exact_mut(k)).enumerate() {
                 if let Some(at) = find_nan(s) {
                     return Err(nan_at(r * k + at, k));
                 }
                 hs.update(s);
-                for (run, &from) in d.chunks_exact_mut(O_CHUNK).zip(perm.as_slice()) {
+                for (run, &from) in row.chunks_exact_mut(O_CHUNK).zip(perm.as_slice()) {
                     let at = from as usize * O_CHUNK;
                     run.copy_from_slice(&s[at..at + O_CHUNK]);
                 }
-                hd.update(d);
+                hd.update(&row);
+                copy(d, &row);
             }
             Ok(Placed { source: hs.finish(), placed: hd.finish(), quantized: None })
         }
@@ -101,7 +114,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
             let mut h = DigestStream::new();
             let mut f = 0;
             for piece in permutation::gathered_pieces(src, k, perm.as_slice()) {
-                dst[f..f + piece.len()].copy_from_slice(piece);
+                copy(&mut dst[f..f + piece.len()], piece);
                 h.update(piece);
                 f += piece.len();
             }
@@ -153,6 +166,27 @@ mod tests {
                 prop_assert_eq!(&dst, &want);
                 prop_assert_eq!(placed.source, Digest::of(&src));
                 prop_assert_eq!(placed.placed, Digest::of(&want));
+            }
+        }
+    }
+
+    /// Tensors past [`STREAMING_MIN_BYTES`] placed into a reused buffer take non-temporal
+    /// stores: the same bytes and digests in every order, into a reused buffer of stale bytes
+    /// and into a fresh one (unaligned ends: `simd`'s tests).
+    #[test]
+    fn large_placements_stream_the_same_bytes() {
+        let q = Permutation::q_rows(64, 64).unwrap();
+        let o = Permutation::o_columns(512).unwrap().of_chunks(O_CHUNK).unwrap();
+        let cases: [(usize, usize, BlockOrder<'_>); 3] =
+            [(1025, 4096, BlockOrder::Identity), (q.len(), 1280, BlockOrder::Rows(&q)), (1100, o.len() * O_CHUNK, BlockOrder::Chunks(&o))];
+        for (rows, k, order) in cases {
+            assert!(rows * k >= STREAMING_MIN_BYTES);
+            let src = bytes(rows * k, rows as u64);
+            let want = reference(&src, rows, k, order);
+            for mut dst in [vec![0x3Cu8; rows * k], Vec::new()] {
+                let placed = place_e4m3(&src, rows, k, order, &mut dst).unwrap();
+                assert!(dst == want, "{rows} x {k}");
+                assert_eq!((placed.source, placed.placed), (Digest::of(&src), Digest::of(&want)), "{rows} x {k}");
             }
         }
     }

@@ -42,3 +42,100 @@ macro_rules! dispatch {
     }};
 }
 pub(crate) use dispatch;
+
+/// Tensors at least this large are placed with [`copy_streaming`]: they exceed what the caches
+/// could keep for the next reader anyway, and smaller ones (tests, small presets) stay in cache.
+pub const STREAMING_MIN_BYTES: usize = 4 << 20;
+
+/// `dst.copy_from_slice(src)` with non-temporal stores where the CPU has AVX-512 F or AVX (the
+/// ends through the cache): a destination line is written without first being read for
+/// ownership, so a placement copy moves the bytes of a large `memcpy` (which glibc makes
+/// non-temporal past its threshold) instead of half as many again. Ends with `sfence`, so the
+/// stores are ordered before whatever this thread does next (a rayon join, a lock release).
+/// Panics where the lengths differ, as `copy_from_slice` does.
+pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_streaming: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512 F (checked just above); the lengths agree.
+            return unsafe { streaming::copy512(dst, src) };
+        }
+        if std::arch::is_x86_feature_detected!("avx") {
+            // SAFETY: the CPU has AVX (checked just above); the lengths agree.
+            return unsafe { streaming::copy256(dst, src) };
+        }
+    }
+    dst.copy_from_slice(src);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod streaming {
+    use std::arch::x86_64::*;
+
+    /// Splits `dst` at its first and last `align`-byte boundaries that leave whole `step`s
+    /// between them: `(head, body)` lengths.
+    fn split(dst: &[u8], align: usize, step: usize) -> (usize, usize) {
+        let head = dst.as_ptr().align_offset(align).min(dst.len());
+        (head, (dst.len() - head) / step * step)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn copy512(dst: &mut [u8], src: &[u8]) {
+        const STEP: usize = 256;
+        let (head, body) = split(dst, 64, STEP);
+        dst[..head].copy_from_slice(&src[..head]);
+        let (d, s) = (dst[head..].as_mut_ptr(), src[head..].as_ptr());
+        for at in (0..body).step_by(STEP) {
+            // SAFETY: `at + STEP <= body`, inside both slices past `head`; `d + at` is 64-byte
+            // aligned (`split`).
+            unsafe {
+                let v: [__m512i; 4] = std::array::from_fn(|j| _mm512_loadu_si512(s.add(at + 64 * j).cast()));
+                for (j, v) in v.into_iter().enumerate() {
+                    _mm512_stream_si512(d.add(at + 64 * j).cast(), v);
+                }
+            }
+        }
+        dst[head + body..].copy_from_slice(&src[head + body..]);
+        _mm_sfence();
+    }
+
+    #[target_feature(enable = "avx")]
+    pub unsafe fn copy256(dst: &mut [u8], src: &[u8]) {
+        const STEP: usize = 128;
+        let (head, body) = split(dst, 32, STEP);
+        dst[..head].copy_from_slice(&src[..head]);
+        let (d, s) = (dst[head..].as_mut_ptr(), src[head..].as_ptr());
+        for at in (0..body).step_by(STEP) {
+            // SAFETY: as in `copy512`, with 32-byte alignment.
+            unsafe {
+                let v: [__m256i; 4] = std::array::from_fn(|j| _mm256_loadu_si256(s.add(at + 32 * j).cast()));
+                for (j, v) in v.into_iter().enumerate() {
+                    _mm256_stream_si256(d.add(at + 32 * j).cast(), v);
+                }
+            }
+        }
+        dst[head + body..].copy_from_slice(&src[head + body..]);
+        _mm_sfence();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every offset and length around the vector steps, both ends unaligned: the bytes of
+    /// `copy_from_slice`, and nothing written past the destination.
+    #[test]
+    fn streaming_copy_is_a_copy() {
+        let src = crate::testdata::splitmix_bytes(4096, 3);
+        for offset in 0..70 {
+            for len in (0..600).chain([1023, 1024, 1025, 4096 - 70]) {
+                let mut dst = vec![0xA5u8; 4096 + 64];
+                copy_streaming(&mut dst[offset..offset + len], &src[..len]);
+                assert_eq!(&dst[offset..offset + len], &src[..len], "offset {offset}, len {len}");
+                assert!(dst[..offset].iter().chain(&dst[offset + len..]).all(|&b| b == 0xA5), "offset {offset}, len {len}");
+            }
+        }
+    }
+}
