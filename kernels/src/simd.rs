@@ -73,50 +73,51 @@ pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
 mod streaming {
     use std::arch::x86_64::*;
 
-    /// Splits `dst` at its first and last `align`-byte boundaries that leave whole `step`s
-    /// between them: `(head, body)` lengths.
-    fn split(dst: &[u8], align: usize, step: usize) -> (usize, usize) {
-        let head = dst.as_ptr().align_offset(align).min(dst.len());
-        (head, (dst.len() - head) / step * step)
+    /// Copies `src` to `dst` with `store` (non-temporal) on the whole `4 * WIDTH`-byte steps
+    /// between `dst`'s first `WIDTH`-byte boundary and its end, `copy_from_slice` on the ends,
+    /// then `sfence`. `load` and `store` move one vector of `WIDTH` bytes (`store` to an
+    /// address aligned to `WIDTH`).
+    #[inline(always)]
+    unsafe fn copy_with<V: Copy, const WIDTH: usize>(
+        dst: &mut [u8],
+        src: &[u8],
+        load: impl Fn(*const u8) -> V,
+        store: impl Fn(*mut u8, V),
+    ) {
+        let step = 4 * WIDTH;
+        let head = dst.as_ptr().align_offset(WIDTH).min(dst.len());
+        let body = (dst.len() - head) / step * step;
+        dst[..head].copy_from_slice(&src[..head]);
+        let (d, s) = (dst[head..].as_mut_ptr(), src[head..].as_ptr());
+        for at in (0..body).step_by(step) {
+            // SAFETY: `at + step <= body`: inside both slices past `head`; `d + at + WIDTH * j`
+            // is aligned to `WIDTH` (`head`).
+            unsafe {
+                let v: [V; 4] = std::array::from_fn(|j| load(s.add(at + WIDTH * j)));
+                for (j, v) in v.into_iter().enumerate() {
+                    store(d.add(at + WIDTH * j), v);
+                }
+            }
+        }
+        dst[head + body..].copy_from_slice(&src[head + body..]);
+        // SAFETY: SSE is baseline on x86-64.
+        unsafe { _mm_sfence() };
     }
 
     #[target_feature(enable = "avx512f")]
     pub unsafe fn copy512(dst: &mut [u8], src: &[u8]) {
-        const STEP: usize = 256;
-        let (head, body) = split(dst, 64, STEP);
-        dst[..head].copy_from_slice(&src[..head]);
-        let (d, s) = (dst[head..].as_mut_ptr(), src[head..].as_ptr());
-        for at in (0..body).step_by(STEP) {
-            // SAFETY: `at + STEP <= body`, inside both slices past `head`; `d + at` is 64-byte
-            // aligned (`split`).
-            unsafe {
-                let v: [__m512i; 4] = std::array::from_fn(|j| _mm512_loadu_si512(s.add(at + 64 * j).cast()));
-                for (j, v) in v.into_iter().enumerate() {
-                    _mm512_stream_si512(d.add(at + 64 * j).cast(), v);
-                }
-            }
+        // SAFETY: the loads and stores are those `copy_with` bounds and aligns.
+        unsafe {
+            copy_with::<_, 64>(dst, src, |p| _mm512_loadu_si512(p.cast()), |p, v| _mm512_stream_si512(p.cast(), v));
         }
-        dst[head + body..].copy_from_slice(&src[head + body..]);
-        _mm_sfence();
     }
 
     #[target_feature(enable = "avx")]
     pub unsafe fn copy256(dst: &mut [u8], src: &[u8]) {
-        const STEP: usize = 128;
-        let (head, body) = split(dst, 32, STEP);
-        dst[..head].copy_from_slice(&src[..head]);
-        let (d, s) = (dst[head..].as_mut_ptr(), src[head..].as_ptr());
-        for at in (0..body).step_by(STEP) {
-            // SAFETY: as in `copy512`, with 32-byte alignment.
-            unsafe {
-                let v: [__m256i; 4] = std::array::from_fn(|j| _mm256_loadu_si256(s.add(at + 32 * j).cast()));
-                for (j, v) in v.into_iter().enumerate() {
-                    _mm256_stream_si256(d.add(at + 32 * j).cast(), v);
-                }
-            }
+        // SAFETY: as in `copy512`.
+        unsafe {
+            copy_with::<_, 32>(dst, src, |p| _mm256_loadu_si256(p.cast()), |p, v| _mm256_stream_si256(p.cast(), v));
         }
-        dst[head + body..].copy_from_slice(&src[head + body..]);
-        _mm_sfence();
     }
 }
 

@@ -154,27 +154,30 @@ mod peak {
         unsafe { if is_x86_feature_detected!("avx512f") { run512(iters) } else { run256(iters) } }
     }
 
+    /// `ACCUMULATORS` independent chains of `iters` multiply-adds each, in whatever vector
+    /// type the caller's instructions take.
+    #[inline(always)]
+    fn chains<V: Copy>(iters: usize, one: V, fma: impl Fn(V) -> V) -> [V; ACCUMULATORS] {
+        let mut acc = [one; ACCUMULATORS];
+        for _ in 0..iters {
+            for a in &mut acc {
+                *a = fma(*a);
+            }
+        }
+        acc
+    }
+
     #[target_feature(enable = "avx512f")]
     fn run512(iters: usize) -> f32 {
         let (x, y) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
-        let mut acc = [_mm512_set1_ps(1.0); ACCUMULATORS];
-        for _ in 0..iters {
-            for a in &mut acc {
-                *a = _mm512_fmadd_ps(*a, x, y);
-            }
-        }
+        let acc = chains(iters, _mm512_set1_ps(1.0), |a| _mm512_fmadd_ps(a, x, y));
         acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum()
     }
 
     #[target_feature(enable = "avx2,fma")]
     fn run256(iters: usize) -> f32 {
         let (x, y) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
-        let mut acc = [_mm256_set1_ps(1.0); ACCUMULATORS];
-        for _ in 0..iters {
-            for a in &mut acc {
-                *a = _mm256_fmadd_ps(*a, x, y);
-            }
-        }
+        let acc = chains(iters, _mm256_set1_ps(1.0), |a| _mm256_fmadd_ps(a, x, y));
         let mut lanes = [0f32; 8];
         acc.iter().fold(0.0, |sum, &a| {
             // SAFETY: eight lanes of four bytes.
