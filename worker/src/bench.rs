@@ -119,7 +119,7 @@ pub fn multiply_add_peak() -> Option<f64> {
         let mut best = 0f64;
         for _ in 0..3 {
             let t = Instant::now();
-            let sums = rayon::broadcast(|_| peak::run(ITERS));
+            let sums = rayon::broadcast(|_| peak::run(lanes, ITERS));
             let s = t.elapsed().as_secs_f64();
             std::hint::black_box(sums);
             best = best.max((rayon::current_num_threads() * ITERS * peak::ACCUMULATORS * lanes) as f64 / s);
@@ -149,9 +149,10 @@ mod peak {
         }
     }
 
-    pub fn run(iters: usize) -> f32 {
-        // SAFETY: each runs only where `lanes` found its instructions (its caller's check).
-        unsafe { if is_x86_feature_detected!("avx512f") { run512(iters) } else { run256(iters) } }
+    /// The chains on the vectors `lanes` chose (16 or 8 lanes).
+    pub fn run(lanes: usize, iters: usize) -> f32 {
+        // SAFETY: `lanes` returned 16 only where AVX-512 F is, 8 only where AVX2 and FMA are.
+        unsafe { if lanes == 16 { run512(iters) } else { run256(iters) } }
     }
 
     /// `ACCUMULATORS` independent chains of `iters` multiply-adds each, in whatever vector
