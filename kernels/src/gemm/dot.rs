@@ -31,7 +31,9 @@
 //! of columns of all 32 rows. Two 128-entry byte tables (`vpermi2b`) give the low and the high
 //! byte of each E4M3 magnitude as BF16, the sign is put back, and the scale is added to the
 //! exponent field of every nonzero weight. The NaN bytes are the only ones whose low table byte
-//! is `0xFF`, which one maximum per register finds.
+//! is `0xFF`, which one maximum per register finds. The pairs come out in increasing `k`: for one
+//! or two activation rows each is added to the sums as it is decoded (the sums stay in
+//! registers), for more a block's pairs are kept and then added for every row.
 
 use super::{TILE, TileWeights};
 use crate::mxfp8::BLOCK;
@@ -272,7 +274,14 @@ mod avx512 {
         /// when the block has a NaN byte.
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-        unsafe fn block(&self, ep: *const u8, stride: usize, scales: *const u8, w: &mut [__m512i; 32], mut nan: __m512i) -> __m512i {
+        unsafe fn block(
+            &self,
+            ep: *const u8,
+            stride: usize,
+            scales: *const u8,
+            mut pair: impl FnMut(usize, __m512i, __m512i),
+            mut nan: __m512i,
+        ) -> __m512i {
             const HALF: usize = TILE / 2;
             // r[i]: lanes 0, 1 = row i, columns 0..32 of the block; lanes 2, 3 = row i + 16; the
             // bytes of each column pair swapped. SAFETY: 32 readable bytes at each row (the
@@ -296,22 +305,50 @@ mod avx512 {
                 let bytes = _mm512_maskz_permutexvar_epi8(0x5555_5555_5555_5555, self.scale_index[h], s);
                 _mm512_slli_epi16::<7>(_mm512_sub_epi16(bytes, _mm512_set1_epi16(127)))
             });
-            for p in 0..8 {
-                // Pair p of all 32 rows (lanes: rows 0..8, 16..24, 8..16, 24..32), then pair 8 + p.
-                let pairs = [_mm512_shuffle_i64x2::<0x88>(a[p], b[p]), _mm512_shuffle_i64x2::<0xDD>(a[p], b[p])];
-                for (half, x) in pairs.into_iter().enumerate() {
+            // Pairs in increasing `k`: pair p of all 32 rows (lanes: rows 0..8, 16..24, 8..16,
+            // 24..32) is in lanes 0 and 2 of a[p] and b[p], pair 8 + p in lanes 1 and 3.
+            for half in 0..2 {
+                for p in 0..8 {
+                    let x = match half {
+                        0 => _mm512_shuffle_i64x2::<0x88>(a[p], b[p]),
+                        _ => _mm512_shuffle_i64x2::<0xDD>(a[p], b[p]),
+                    };
                     let low = _mm512_permutex2var_epi8(self.low[0], x, self.low[1]);
                     nan = _mm512_max_epu8(nan, low);
                     // The magnitude's high byte with the sign put back: high | (x & 0x80).
                     let high = _mm512_ternarylogic_epi32::<0xF8>(_mm512_permutex2var_epi8(self.high[0], x, self.high[1]), x, self.sign);
-                    let at = 2 * (8 * half + p);
-                    for (h, word) in [_mm512_unpacklo_epi8(low, high), _mm512_unpackhi_epi8(low, high)].into_iter().enumerate() {
+                    let [lo, hi] = [_mm512_unpacklo_epi8(low, high), _mm512_unpackhi_epi8(low, high)];
+                    let scaled = |h: usize, word: __m512i| {
                         let nonzero = _mm512_test_epi16_mask(word, self.magnitude);
-                        w[at + h] = _mm512_mask_add_epi16(word, nonzero, word, exponent[h]);
-                    }
+                        _mm512_mask_add_epi16(word, nonzero, word, exponent[h])
+                    };
+                    pair(8 * half + p, scaled(0, lo), scaled(1, hi));
                 }
             }
             nan
+        }
+    }
+
+    /// Each row's 16 pairs of block `kb`, rows `t0 .. t0 + ROWS` (slices of a known length: no
+    /// bounds checks where they are read).
+    #[inline]
+    fn block_rows<const ROWS: usize>(a: &Activations, t0: usize, kb: usize) -> [&[u32; 16]; ROWS] {
+        let per_row = a.k / 2;
+        std::array::from_fn(|t| a.pairs[(t0 + t) * per_row + kb * (BLOCK / 2)..][..16].try_into().expect("16 pairs"))
+    }
+
+    /// Adds decoded pair `i` of a block (`lo`, `hi`: its 32 rows) times the rows `x` to `sums`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    fn add_pair<const ROWS: usize>(sums: &mut [[__m512; 2]; ROWS], x: &[&[u32; 16]; ROWS], i: usize, lo: __m512i, hi: __m512i) {
+        // SAFETY: the same size and bits; `__m512bh` is 32 BF16 lanes.
+        let (lo, hi): (__m512bh, __m512bh) =
+            unsafe { (std::mem::transmute::<__m512i, __m512bh>(lo), std::mem::transmute::<__m512i, __m512bh>(hi)) };
+        for (sum, x) in sums.iter_mut().zip(x) {
+            // SAFETY: as above.
+            let x: __m512bh = unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(x[i] as i32)) };
+            sum[0] = _mm512_dpbf16_ps(sum[0], lo, x);
+            sum[1] = _mm512_dpbf16_ps(sum[1], hi, x);
         }
     }
 
@@ -321,20 +358,9 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bf16")]
     fn add_block<const ROWS: usize>(acc: &mut [[__m512; 2]], w: &[__m512i; 32], a: &Activations, t0: usize, kb: usize) {
         let mut sums: [[__m512; 2]; ROWS] = std::array::from_fn(|t| acc[t0 + t]);
-        let per_row = a.k / 2;
-        // Each row's 16 pairs of this block (slices of a known length: no bounds checks below).
-        let x: [&[u32; 16]; ROWS] =
-            std::array::from_fn(|t| a.pairs[(t0 + t) * per_row + kb * (BLOCK / 2)..][..16].try_into().expect("16 pairs"));
+        let x = block_rows::<ROWS>(a, t0, kb);
         for (i, pair) in w.chunks_exact(2).enumerate() {
-            // SAFETY: the same size and bits; `__m512bh` is 32 BF16 lanes.
-            let (lo, hi): (__m512bh, __m512bh) =
-                unsafe { (std::mem::transmute::<__m512i, __m512bh>(pair[0]), std::mem::transmute::<__m512i, __m512bh>(pair[1])) };
-            for (sum, x) in sums.iter_mut().zip(&x) {
-                // SAFETY: as above.
-                let x: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(x[i] as i32)) };
-                sum[0] = _mm512_dpbf16_ps(sum[0], lo, x);
-                sum[1] = _mm512_dpbf16_ps(sum[1], hi, x);
-            }
+            add_pair(&mut sums, &x, i, pair[0], pair[1]);
         }
         acc[t0..t0 + ROWS].copy_from_slice(&sums);
     }
@@ -343,39 +369,100 @@ mod avx512 {
     /// finite.
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16")]
     pub unsafe fn accumulate(e: &[u8], next: &[u8], scales: &[u8], a: &Activations, out: &mut [f32]) -> bool {
-        let k = a.k;
-        assert!(e.len() == TILE * k && scales.len() == TILE * (k / BLOCK) && out.len() >= a.rows * TILE && a.pairs.len() == a.rows * k / 2);
+        assert!(
+            e.len() == TILE * a.k
+                && scales.len() == TILE * (a.k / BLOCK)
+                && out.len() >= a.rows * TILE
+                && a.pairs.len() == a.rows * a.k / 2
+        );
+        let tile = Tile { e, next, scales, k: a.k };
+        // One row or two keep their sums in registers (interleaved runs on the Zen 4 VM, one
+        // thread: 1.1-1.4x the buffered loop at T = 1, 1.1-1.2x at T = 2; at T = 3 the same,
+        // slower from T = 4 on, where the sums and the decode no longer fit the registers).
+        match a.rows {
+            1 => fused::<1>(&tile, a, out),
+            2 => fused::<2>(&tile, a, out),
+            _ => buffered(&tile, a, out),
+        }
+    }
+
+    /// A tile's weights: `TILE` rows of `k` E4M3 bytes, their block-major scales, and the next
+    /// tile's bytes to prefetch.
+    struct Tile<'a> {
+        e: &'a [u8],
+        next: &'a [u8],
+        scales: &'a [u8],
+        k: usize,
+    }
+
+    /// Where block `kb` of each row lies and the stride between rows. Prefetches one block's
+    /// worth of the next tile (as in `fused`). Where rows lie a multiple of 1 KiB apart (`wo_a`'s
+    /// 4096 columns, `wo_b`'s 2048), 32 rows share a few L1 sets (the set repeats every 4 KiB),
+    /// and the second block of each row would read lines that the first block's evicted: there
+    /// two blocks of each row (one cache line) are copied into `lines` together, so that each
+    /// line is read from memory once. Other rows are read where they lie (the copy costs more
+    /// than it saves: `wq_b`'s 1280 columns).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn rows_of_block(t: &Tile<'_>, kb: usize, lines: &mut [__m512i; TILE]) -> (*const u8, usize) {
+        if let Some(lines) = t.next.get(kb * TILE * BLOCK..(kb + 1) * TILE * BLOCK) {
+            for line in lines.chunks(64) {
+                _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
+            }
+        }
+        let k = t.k;
+        if !k.is_multiple_of(1024) {
+            // SAFETY: within `e` (the bounds the caller asserted).
+            (unsafe { t.e.as_ptr().add(kb * BLOCK) }, k)
+        } else if kb.is_multiple_of(2) {
+            for (i, line) in lines.iter_mut().enumerate() {
+                // SAFETY: row i < TILE and k is a multiple of 2 * BLOCK: 64 bytes inside `e`.
+                *line = unsafe { _mm512_loadu_si512(t.e.as_ptr().add(i * k + kb * BLOCK).cast()) };
+            }
+            (lines.as_ptr().cast::<u8>(), 64)
+        } else {
+            // SAFETY: the second half of each copied line.
+            (unsafe { lines.as_ptr().cast::<u8>().add(BLOCK) }, 64)
+        }
+    }
+
+    /// One activation row or two: each decoded pair goes straight into the sums,
+    /// which stay in registers.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16")]
+    fn fused<const ROWS: usize>(t: &Tile<'_>, a: &Activations, out: &mut [f32]) -> bool {
+        let decoder = Decoder::new();
+        let mut sums = [[_mm512_setzero_ps(); 2]; ROWS];
+        let mut nan = _mm512_setzero_si512();
+        let mut lines = [_mm512_setzero_si512(); TILE];
+        for kb in 0..a.k / BLOCK {
+            let (from, stride) = rows_of_block(t, kb, &mut lines);
+            let x = block_rows::<ROWS>(a, 0, kb);
+            let add = |i: usize, lo: __m512i, hi: __m512i| add_pair(&mut sums, &x, i, lo, hi);
+            // SAFETY: 32 bytes at each of the TILE rows of `from`, 32 scale bytes per block.
+            nan = unsafe { decoder.block(from, stride, t.scales.as_ptr().add(kb * TILE), add, nan) };
+        }
+        finish(nan, &sums, out)
+    }
+
+    /// More rows: a block's decoded pairs are kept, then added for every row, eight rows at a
+    /// time.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16")]
+    fn buffered(t: &Tile<'_>, a: &Activations, out: &mut [f32]) -> bool {
         let decoder = Decoder::new();
         let mut acc = [[_mm512_setzero_ps(); 2]; super::DOT_MAX_ROWS];
         let mut w = [_mm512_setzero_si512(); 32];
         let mut nan = _mm512_setzero_si512();
-        // Two blocks of each row (one cache line) copied together, so that each line is read
-        // from memory once: the second block's 32 rows would otherwise read lines that the first
-        // block's evicted where rows lie a multiple of 4 KiB apart (`wo_a`'s 4096 columns,
-        // `wo_b`'s 2048: 32 rows in one L1 set of 12 ways).
         let mut lines = [_mm512_setzero_si512(); TILE];
-        for kb in 0..k / BLOCK {
-            // One block's worth of the next tile per block of this one (as in `fused`).
-            if let Some(lines) = next.get(kb * TILE * BLOCK..(kb + 1) * TILE * BLOCK) {
-                for line in lines.chunks(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
-                }
-            }
-            let (from, stride) = if kb % 2 == 0 && (kb + 2) * BLOCK <= k {
-                for (i, line) in lines.iter_mut().enumerate() {
-                    // SAFETY: row i < TILE and (kb + 2) * BLOCK <= k: 64 bytes inside `e`.
-                    *line = unsafe { _mm512_loadu_si512(e.as_ptr().add(i * k + kb * BLOCK).cast()) };
-                }
-                (lines.as_ptr().cast::<u8>(), 64)
-            } else if kb % 2 == 1 {
-                // SAFETY: the second half of each copied line.
-                (unsafe { lines.as_ptr().cast::<u8>().add(BLOCK) }, 64)
-            } else {
-                // SAFETY: within `e` (the bounds asserted above).
-                (unsafe { e.as_ptr().add(kb * BLOCK) }, k)
+        for kb in 0..a.k / BLOCK {
+            let (from, stride) = rows_of_block(t, kb, &mut lines);
+            let store = |i: usize, lo: __m512i, hi: __m512i| {
+                w[2 * i] = lo;
+                w[2 * i + 1] = hi;
             };
-            // SAFETY: 32 bytes at each of the TILE rows of `from`.
-            nan = unsafe { decoder.block(from, stride, scales.as_ptr().add(kb * TILE), &mut w, nan) };
+            // SAFETY: 32 bytes at each of the TILE rows of `from`, 32 scale bytes per block.
+            nan = unsafe { decoder.block(from, stride, t.scales.as_ptr().add(kb * TILE), store, nan) };
             let mut t0 = 0;
             while t0 < a.rows {
                 let rows = (a.rows - t0).min(8);
@@ -392,10 +479,18 @@ mod avx512 {
                 t0 += rows;
             }
         }
+        finish(nan, &acc[..a.rows], out)
+    }
+
+    /// Writes the sums of each activation row to `out` (row `t` at `t * TILE`): false when a
+    /// byte was NaN or a sum is not finite.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn finish(nan: __m512i, sums: &[[__m512; 2]], out: &mut [f32]) -> bool {
         if _mm512_cmpeq_epi8_mask(nan, _mm512_set1_epi8(-1)) != 0 {
             return false;
         }
-        for (t, sums) in acc[..a.rows].iter().enumerate() {
+        for (t, sums) in sums.iter().enumerate() {
             for (sum, rows) in sums.iter().zip([LOW_ROWS, HIGH_ROWS]) {
                 let mut lanes = [0f32; 16];
                 // SAFETY: 16 lanes of 4 bytes.
@@ -472,7 +567,7 @@ mod tests {
             Self::with_k(256)
         }
 
-        /// With `k` columns (an odd number of blocks takes the last one straight from memory).
+        /// With `k` columns.
         fn with_k(k: usize) -> Self {
             let n = 2 * TILE;
             let mut e: Vec<u8> = (0..n * k).map(|i| (i * 7 + i / k * 3) as u8).map(|b| if e4m3::is_nan(b) { 0x80 } else { b }).collect();
@@ -512,7 +607,9 @@ mod tests {
         if !available() {
             return;
         }
-        for case in [Case::new(), Case::with_k(160)] {
+        // Rows read where they lie (an odd number of blocks among them), and rows a multiple of
+        // 1 KiB apart, copied a cache line at a time.
+        for case in [Case::new(), Case::with_k(160), Case::with_k(1024)] {
             edges(&case);
         }
     }
