@@ -17,7 +17,7 @@ fn main() -> anyhow::Result<()> {
         layers: env("BENCH_LAYERS", 2),
         tp_size: env("BENCH_TP", 1),
         rank: 0,
-        iters: 3,
+        iters: 5,
         dir,
         formats: vec!["fp8".into(), "bf16".into()],
         worker_exe: Some(env!("CARGO_BIN_EXE_orchestrator-worker").into()),

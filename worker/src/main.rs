@@ -94,7 +94,8 @@ struct BenchArgs {
     tp: usize,
     #[arg(long, default_value_t = 0)]
     rank: usize,
-    #[arg(long, default_value_t = 3)]
+    /// Warm reloads per format, each next to a memcpy (the best of each is kept).
+    #[arg(long, default_value_t = 5)]
     iters: usize,
     /// Storage formats to measure.
     #[arg(long, value_delimiter = ',', default_value = "fp8,bf16")]
