@@ -55,15 +55,17 @@ pub(super) unsafe fn one(src: &[u8; BLOCK * 2], rule: ScaleRule, dst: &mut [u8])
         if outside != 0 {
             return plain(src, rule, dst);
         }
-        if !place(h, magnitude, scale, dst.as_mut_ptr()) {
+        let (words, outside) = words_of(h, magnitude, scale);
+        if outside != 0 {
             return plain(src, rule, dst);
         }
+        _mm256_storeu_si256(dst.as_mut_ptr().cast(), _mm512_castsi512_si256(bytes_of(words, words)));
         Ok(_mm_cvtsi128_si32(_mm512_castsi512_si128(scale)) as u8)
     }
 }
 
-/// Four blocks at once: their scale bytes, or `None` (nothing written that counts) when one of
-/// them must go through [`one`].
+/// Four blocks at once: their scale bytes, or `None` (nothing written) when one of them must go
+/// through [`one`].
 ///
 /// # Safety
 /// As [`one`].
@@ -89,14 +91,17 @@ pub(super) unsafe fn four(src: [&[u8; BLOCK * 2]; 4], rule: ScaleRule, dst: &mut
             _mm512_shuffle_i64x2::<0b10_10_10_10>(scale, scale),
             _mm512_shuffle_i64x2::<0b11_11_11_11>(scale, scale),
         ];
-        let out = dst.as_mut_ptr();
-        let mut exact = true;
-        for i in 0..4 {
-            exact &= place(h[i], magnitude[i], lane[i], out.add(i * BLOCK));
-        }
-        if !exact {
+        // Written out rather than mapped: a closure is not compiled with the instructions.
+        let (w0, o0) = words_of(h[0], magnitude[0], lane[0]);
+        let (w1, o1) = words_of(h[1], magnitude[1], lane[1]);
+        let (w2, o2) = words_of(h[2], magnitude[2], lane[2]);
+        let (w3, o3) = words_of(h[3], magnitude[3], lane[3]);
+        if o0 | o1 | o2 | o3 != 0 {
             return None;
         }
+        let out = dst.as_mut_ptr();
+        _mm512_storeu_si512(out.cast(), bytes_of(w0, w1));
+        _mm512_storeu_si512(out.add(2 * BLOCK).cast(), bytes_of(w2, w3));
         let mut words = [0u16; 32];
         _mm512_storeu_si512(words.as_mut_ptr().cast(), scale);
         Some([words[0] as u8, words[8] as u8, words[16] as u8, words[24] as u8])
@@ -137,36 +142,49 @@ unsafe fn scales_of(m: __m512i, rule: ScaleRule) -> (__m512i, u32) {
     }
 }
 
-/// Writes the 32 E4M3 bytes of the block `h` (its `magnitude`s) with the scale byte `scale` in
-/// every word, or returns false, having written bytes that do not count, when an element is
-/// zero, a subnormal or below E4M3's normals after scaling.
+/// The 32 E4M3 bytes of the block `h` (its `magnitude`s) with the scale byte `scale` in every
+/// word, one per word, and the elements that are zero, a subnormal or below E4M3's normals after
+/// scaling (a nonzero mask: the block must be handed back).
+///
+/// Each element's scaled exponent is t = E - 127 - e (the scale byte is e + 127), and its E4M3
+/// byte before rounding x = (t + 7) << 7 | its 7 mantissa bits, which is the magnitude's bits
+/// plus (7 - scale byte) << 7 (the mantissa bits do not carry into the exponent): one add. t >= -6
+/// gives an E4M3 normal; t <= 8 always, because the scale is the block maximum's (its t is 8,
+/// or 7 where rceil rounded the scale up), and above that the saturation at 0x7E would give the
+/// plain loop's byte anyway (its clamp of t at 9 saturates too).
 ///
 /// # Safety
-/// As [`one`]; `out` must be writable for 32 bytes.
+/// As [`one`].
 #[inline(always)]
-unsafe fn place(h: __m512i, magnitude: __m512i, scale: __m512i, out: *mut u8) -> bool {
-    // SAFETY: the caller's code has the instructions and `out` 32 writable bytes.
+unsafe fn words_of(h: __m512i, magnitude: __m512i, scale: __m512i) -> (__m512i, u32) {
+    // SAFETY: the caller's code has the instructions.
     unsafe {
-        // Each element's scaled exponent t = E - 127 - e (the scale byte is e + 127); t >= -6
-        // gives an E4M3 normal.
-        let exponent = _mm512_srli_epi16::<7>(magnitude);
-        let t = _mm512_sub_epi16(exponent, scale);
-        let outside = _mm512_cmpeq_epi16_mask(exponent, _mm512_setzero_si512()) | _mm512_cmplt_epi16_mask(t, _mm512_set1_epi16(-6));
-        // x = (min(t, 9) + 7) << 7 | the 7 mantissa bits, then rounded to nearest even from 7
-        // mantissa bits to 3: (x + 7 + ((x >> 4) & 1)) >> 4, saturated at 0x7E, and the sign.
-        let biased = _mm512_add_epi16(_mm512_min_epi16(t, _mm512_set1_epi16(9)), _mm512_set1_epi16(7));
-        let x = _mm512_or_si512(_mm512_slli_epi16::<7>(biased), _mm512_and_si512(h, _mm512_set1_epi16(0x7F)));
+        let x = _mm512_add_epi16(magnitude, _mm512_slli_epi16::<7>(_mm512_sub_epi16(_mm512_set1_epi16(7), scale)));
+        // A zero or subnormal element (exponent field 0), or t < -6 (x < 1 << 7, as i16).
+        let outside = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(1 << 7)) | _mm512_cmplt_epi16_mask(x, _mm512_set1_epi16(1 << 7));
+        // Rounded to nearest even from 7 mantissa bits to 3: (x + 7 + ((x >> 4) & 1)) >> 4,
+        // saturated at 0x7E, and the sign put back: min(rounded, 0x7E) | ((h >> 8) & 0x80).
         let odd = _mm512_and_si512(_mm512_srli_epi16::<4>(x), _mm512_set1_epi16(1));
         let rounded = _mm512_srli_epi16::<4>(_mm512_add_epi16(x, _mm512_add_epi16(odd, _mm512_set1_epi16(7))));
-        let sign = _mm512_and_si512(_mm512_srli_epi16::<8>(h), _mm512_set1_epi16(0x80));
-        let words = _mm512_or_si512(_mm512_min_epu16(rounded, _mm512_set1_epi16(0x7E)), sign);
-        // The words as bytes, in order, in the low half: packed within each 128-bit lane, then
-        // the lanes' first halves gathered (LLVM's truncating store, `vpmovwb`, is slow).
-        let packed = _mm512_packus_epi16(words, words);
-        let bytes = _mm512_castsi512_si256(_mm512_permutexvar_epi64(_mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0), packed));
-        _mm256_storeu_si256(out.cast(), bytes);
-        outside == 0
+        let words = _mm512_ternarylogic_epi32::<0xF8>(
+            _mm512_min_epu16(rounded, _mm512_set1_epi16(0x7E)),
+            _mm512_srli_epi16::<8>(h),
+            _mm512_set1_epi16(0x80),
+        );
+        (words, outside)
     }
+}
+
+/// The bytes of two blocks' words ([`words_of`]), in order: packed within each 128-bit lane
+/// (`a`'s eight bytes, then `b`'s), then the lanes gathered (LLVM's truncating store, `vpmovwb`,
+/// is slow).
+///
+/// # Safety
+/// As [`one`].
+#[inline(always)]
+unsafe fn bytes_of(a: __m512i, b: __m512i) -> __m512i {
+    // SAFETY: the caller's code has the instructions.
+    unsafe { _mm512_permutexvar_epi64(_mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0), _mm512_packus_epi16(a, b)) }
 }
 
 /// The plain loop, for the blocks [`one`] hands back: kept out of line, so that its scalar
