@@ -266,6 +266,14 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         }))?;
     }
     let rotation = Arc::new(Rotation::new(vec![version; plan.dp as usize]));
+    // The launched checkpoint was hashed here: a later update back to it adopts that version
+    // (and inspects its values, which nothing here did).
+    let known_claims = Arc::new(crate::update::KnownClaims::default());
+    if let orchestrator_worker::LoadSource::Safetensors(c) = &*plan.local_source
+        && let Some(claim) = c.content_claim()
+    {
+        known_claims.put(c.dir().to_path_buf(), claim, false);
+    }
     let session = Session {
         cluster: Arc::new(cluster),
         rotation,
@@ -275,6 +283,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         journal: plan.journal.clone(),
         roots: plan.roots.clone(),
         commit_timeout: plan.commit_timeout,
+        known_claims,
         updating: Default::default(),
         update_lock: Default::default(),
         state: std::sync::Mutex::new(SessionState { source_desc: plan.source_desc.clone(), current_source, last_update: 0, timings }),

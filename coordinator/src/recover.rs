@@ -240,6 +240,7 @@ async fn resolve(
         journal: Some((journal, pending.update + 1, from)),
         roots,
         commit_timeout: commit_timeout(&replayed.plan),
+        known: None,
     };
     let outcome = rolling_update(cluster, rotation, config, plan).await;
     steps.push(format!("update {}: replicas {behind:?} to {} ({verb})", pending.update + 1, dir.display()));
@@ -333,6 +334,7 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
         journal: Some(journal),
         roots,
         commit_timeout: commit_timeout(&plan),
+        known_claims: Default::default(),
         updating: Default::default(),
         update_lock: Default::default(),
         state: std::sync::Mutex::new(SessionState { source_desc, current_source, last_update, timings: BTreeMap::new() }),

@@ -146,6 +146,7 @@ async fn run_update(
         journal: session.journal.as_deref().map(|j| (j, update, from)),
         roots: &session.roots,
         commit_timeout: session.commit_timeout,
+        known: Some(session.known_claims.clone()),
     };
     let outcome = {
         // Reports meanwhile see replicas on different versions as an update in flight.

@@ -50,6 +50,8 @@ pub struct Session {
     pub roots: AllowedRoots,
     /// How long an update drives a decided commit to a silent rank before reporting it.
     pub commit_timeout: std::time::Duration,
+    /// The claims this coordinator made on the checkpoints it hashed (the launched one first).
+    pub known_claims: Arc<crate::update::KnownClaims>,
     /// Set while a rolling update runs (replicas may then hold different versions).
     pub updating: Arc<AtomicBool>,
     /// Updates run one at a time.

@@ -15,10 +15,12 @@
 //! staged.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use orchestrator_model::checkpoint::{ContentClaim, VersionFrom};
 use orchestrator_model::inspect::inspect;
 use orchestrator_model::{Checkpoint, ModelConfig};
 use orchestrator_proto::limits;
@@ -49,6 +51,9 @@ pub struct UpdatePlan<'a> {
     /// How long a decided commit is driven to a rank that does not answer before it is reported
     /// (the replica then stays out with the commit pending).
     pub commit_timeout: std::time::Duration,
+    /// The claims this coordinator made on checkpoints it hashed ([`KnownClaims`]); `None`
+    /// hashes the new checkpoint whatever it is.
+    pub known: Option<Arc<KnownClaims>>,
 }
 
 /// One replica's probe, judged: every rank answered within tolerance, on one version, with one
@@ -272,12 +277,68 @@ pub struct UpdateDocument {
     pub report: crate::consistency::ConsistencyReport,
 }
 
+/// The content claims this coordinator made on the checkpoints it hashed (the launched one,
+/// each update's), by canonical directory, the last [`KnownClaims::CAPACITY`] of them. An update
+/// to a directory whose files are still the very files hashed then (the same frame and file
+/// identities, the rule by which a worker adopts the coordinator's claim) adopts the version
+/// instead of hashing every tensor again, and when an update validated those same bytes before,
+/// it does not read their values again either: a rollback, or a return to a checkpoint rolled out
+/// before, reads no tensor twice. A claim is made only of files that had settled when they
+/// were opened ([`orchestrator_model::checkpoint::RACY_MARGIN`]); any other change of a file
+/// (a rewrite, a copy, a rename onto its path, a touch) changes its identity, and the update
+/// hashes and inspects as before.
+#[derive(Default)]
+pub struct KnownClaims(std::sync::Mutex<std::collections::VecDeque<Known>>);
+
+/// A claim [`KnownClaims`] keeps.
+#[derive(Clone)]
+struct Known {
+    dir: PathBuf,
+    claim: ContentClaim,
+    /// An update's validation inspected every value of these bytes and found none invalid.
+    inspected: bool,
+}
+
+impl KnownClaims {
+    pub const CAPACITY: usize = 8;
+
+    fn get(&self, dir: &Path) -> Option<Known> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|k| k.dir == dir).cloned()
+    }
+
+    /// Keeps `claim` on `dir` (the newest; the oldest beyond the capacity goes); `inspected`:
+    /// every value of its bytes was checked.
+    pub fn put(&self, dir: PathBuf, claim: ContentClaim, inspected: bool) {
+        let mut known = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        known.retain(|k| k.dir != dir);
+        known.push_back(Known { dir, claim, inspected });
+        while known.len() > Self::CAPACITY {
+            known.pop_front();
+        }
+    }
+}
+
+/// A new checkpoint that passed [`validate`].
+pub struct Validated {
+    pub version: String,
+    /// The claim that lets each worker on this host adopt the version.
+    pub claim: Option<pb::ContentClaim>,
+    /// The version was adopted from a claim this coordinator made before (nothing hashed).
+    pub adopted: bool,
+    /// The values were not read again: an earlier update's validation inspected these bytes.
+    pub inspected_before: bool,
+}
+
 /// Validates the new checkpoint against the running plan and the allowed roots before any
 /// replica is touched: the new version, and the claim on it that lets each worker on this host
-/// adopt the version instead of hashing the checkpoint again.
-pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots) -> Result<(String, Option<pb::ContentClaim>), String> {
+/// adopt the version instead of hashing the checkpoint again. With `known`, a checkpoint this
+/// coordinator hashed before adopts that version when its files are the same, and the claim
+/// made here is kept for the next time.
+pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots, known: Option<&KnownClaims>) -> Result<Validated, String> {
     let dir = roots.check(dir).map_err(|e| format!("new checkpoint: {e}"))?;
-    let ck = Checkpoint::open_within(&dir, roots).map_err(|e| format!("new checkpoint {}: {e}", dir.display()))?;
+    let before = known.and_then(|k| k.get(&dir));
+    let ck = Checkpoint::open_within_claimed(&dir, roots, before.as_ref().map(|k| &k.claim))
+        .map_err(|e| format!("new checkpoint {}: {e}", dir.display()))?;
     if ck.config.geometry != running.geometry || ck.config.format != running.format {
         return Err(format!(
             "new checkpoint {} has geometry {:?} / {:?}, the running plan {:?} / {:?}",
@@ -288,12 +349,21 @@ pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots) -> Resu
             running.format
         ));
     }
-    let report = inspect(&ck);
-    if !report.valid {
-        return Err(format!("new checkpoint {} is invalid: {}", dir.display(), report.problems.join("; ")));
+    let adopted = ck.version_from() == VersionFrom::Claim;
+    // The same frame and files as bytes an earlier validation inspected: the same values.
+    let inspected_before = adopted && before.is_some_and(|k| k.inspected);
+    if !inspected_before {
+        let report = inspect(&ck);
+        if !report.valid {
+            return Err(format!("new checkpoint {} is invalid: {}", dir.display(), report.problems.join("; ")));
+        }
     }
-    let claim = ck.content_claim().map(|c| orchestrator_worker::source::claim_to_pb(&c));
-    Ok((orchestrator_worker::LoadSource::Safetensors(ck).version(), claim))
+    let claim = ck.content_claim();
+    if let (Some(known), Some(c)) = (known, &claim) {
+        known.put(dir.clone(), c.clone(), true);
+    }
+    let claim = claim.map(|c| orchestrator_worker::source::claim_to_pb(&c));
+    Ok(Validated { version: orchestrator_worker::LoadSource::Safetensors(ck).version(), claim, adopted, inspected_before })
 }
 
 /// Rolls `dir` across the replicas, at most `max_unavailable` at a time (never all of them
@@ -315,7 +385,7 @@ pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &Mo
 }
 
 async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, plan: UpdatePlan<'_>) -> UpdateOutcome {
-    let UpdatePlan { dir, probe, max_unavailable, max_staging, replicas, journal, roots, commit_timeout } = plan;
+    let UpdatePlan { dir, probe, max_unavailable, max_staging, replicas, journal, roots, commit_timeout, known } = plan;
     let start = Instant::now();
     let mut steps = Vec::new();
     let mut pending_commits = BTreeMap::new();
@@ -342,9 +412,9 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         return finish(false, String::new(), vec![why], pending_commits);
     }
     let validate_started = Instant::now();
-    let (new_version, claim) = match tokio::task::spawn_blocking({
-        let (dir, running, roots) = (dir.to_path_buf(), running.clone(), roots.clone());
-        move || validate(&dir, &running, &roots)
+    let Validated { version: new_version, claim, adopted, inspected_before } = match tokio::task::spawn_blocking({
+        let (dir, running, roots, known) = (dir.to_path_buf(), running.clone(), roots.clone(), known.clone());
+        move || validate(&dir, &running, &roots, known.as_deref())
     })
     .await
     {
@@ -353,8 +423,13 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         Err(e) => return finish(false, String::new(), vec![format!("validation task failed: {e}")], pending_commits),
     };
     steps.push(format!(
-        "validated {} (version {new_version}) against the running plan in {:.2} s",
+        "validated {} (version {new_version}{}) against the running plan in {:.2} s",
         dir.display(),
+        match (adopted, inspected_before) {
+            (true, true) => ", adopted from this coordinator's claim on the same files, which an earlier update inspected",
+            (true, false) => ", adopted from this coordinator's claim on the same files",
+            _ => "",
+        },
         validate_started.elapsed().as_secs_f64()
     ));
     let target = SourceRecord::Checkpoint { dir: dir.to_path_buf() };
@@ -982,4 +1057,29 @@ async fn verify_staged(
         proof: VerifiedVersion { dp, digests },
         against_reference: verified.is_none(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(version: &str) -> ContentClaim {
+        ContentClaim { version: version.into(), frame: "f".into(), files: BTreeMap::new() }
+    }
+
+    #[test]
+    fn known_claims_keep_the_newest_claim_per_directory_and_a_bounded_number() {
+        let known = KnownClaims::default();
+        known.put("/ck/a".into(), claim("1"), false);
+        known.put("/ck/a".into(), claim("2"), true);
+        let a = known.get(Path::new("/ck/a")).expect("kept");
+        assert_eq!((a.claim.version.as_str(), a.inspected), ("2", true));
+        for i in 0..KnownClaims::CAPACITY {
+            known.put(format!("/ck/{i}").into(), claim("3"), false);
+        }
+        // The oldest went; the newest CAPACITY stay.
+        assert!(known.get(Path::new("/ck/a")).is_none());
+        assert!((0..KnownClaims::CAPACITY).all(|i| known.get(Path::new(&format!("/ck/{i}"))).is_some()));
+        assert!(known.get(Path::new("/ck/b")).is_none());
+    }
 }

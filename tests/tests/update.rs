@@ -118,6 +118,50 @@ fn bad_updates_are_refused_and_change_nothing() {
     assert_eq!(rank_digests(&cluster.report()), rank_digests(&before));
 }
 
+/// A checkpoint this coordinator hashed (the launched one, an update's) is not hashed again by a
+/// later update while its files are the same ones, nor its values read again once an update
+/// inspected them; a file rewritten in place is hashed and inspected afresh, and refused here for
+/// the NaN written into it.
+#[test]
+fn a_checkpoint_hashed_before_is_not_hashed_again_unless_its_files_changed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("A"), tmp.path().join("B"));
+    synth(&a, "1");
+    synth(&b, "2");
+    // Claims are made only of files that settled before they were opened (RACY_MARGIN).
+    std::thread::sleep(Duration::from_millis(2100));
+    let cluster = Served::on_checkpoint("2", "1", &a, tmp.path(), &[]);
+    let validated = |dir: &Path| -> (bool, String) {
+        let o = cluster.cmd("update", &["--checkpoint", dir.to_str().unwrap(), "--json"]);
+        let doc: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(&o), stderr(&o)));
+        let steps = doc["update"]["steps"].as_array().unwrap();
+        (doc["ok"] == true, steps.iter().filter_map(|s| s.as_str()).collect::<Vec<_>>().join("\n"))
+    };
+    let adopted = "adopted from this coordinator's claim on the same files";
+    let inspected = "which an earlier update inspected";
+    let (ok, steps) = validated(&b);
+    assert!(ok && steps.starts_with("validated") && !steps.contains(adopted), "{steps}");
+    // Back to the launched checkpoint: its version from the launch's hash, its values read.
+    let (ok, steps) = validated(&a);
+    assert!(ok && steps.contains(adopted) && !steps.contains(inspected), "{steps}");
+    let (ok, steps) = validated(&b);
+    assert!(ok && steps.contains(adopted) && steps.contains(inspected), "{steps}");
+    let (ok, steps) = validated(&a);
+    assert!(ok && steps.contains(inspected), "{steps}");
+    let on_a = versions(&cluster.report());
+    // B rewritten in place, one scale byte NaN: hashed and inspected again, and refused.
+    let f = b.join("model-00001-of-00001.safetensors");
+    let mut bytes = std::fs::read(&f).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let start = header["layers.0.attn.wq_b.scale"]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + n + start] = 0xFF;
+    std::fs::write(&f, bytes).unwrap();
+    let (ok, steps) = validated(&b);
+    assert!(!ok && steps.contains("NaN scale") && !steps.contains(adopted), "{steps}");
+    assert_eq!(versions(&cluster.report()), on_a);
+}
+
 /// A worker SIGKILLed in the middle of staging: its group keeps version A (the other rank
 /// aborts its staged copy), the update reports the failure by rank, and the other replica keeps
 /// serving (on B).
