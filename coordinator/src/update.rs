@@ -982,10 +982,23 @@ async fn verify_staged(
     stage_s: f64,
 ) -> Result<Staged, VerifyFailure> {
     use VerifyRule::*;
-    // Verify the staged version: round trips and versions, then probes and agreement on y.
+    // Verify the staged version: round trips and versions, then probes and agreement on y. The
+    // reports and the probe are asked for at once (neither depends on the other), and judged in
+    // that order whatever answered first. The first replica of a version runs the reference; a
+    // later one, byte-identical to it, only its own kernel pass (its y must equal the verified
+    // y: checked by the caller).
+    let skip_reference = verified.is_some();
     let t = Instant::now();
-    let reports = cluster.reports_in(Some(dp), true).await;
-    let report_s = t.elapsed().as_secs_f64();
+    let reports = async {
+        let r = cluster.reports_in(Some(dp), true).await;
+        (r, t.elapsed().as_secs_f64())
+    };
+    let probes = async {
+        let p = cluster.probe_staged(dp, (probe.tokens as u32, probe.latents as u32, probe.seed), skip_reference).await;
+        (p, t.elapsed().as_secs_f64())
+    };
+    let ((reports, report_s), (probes, probe_s)) = tokio::join!(reports, probes);
+    let seconds = t.elapsed().as_secs_f64();
     let mut digests = BTreeMap::new();
     for r in reports.values() {
         let r = r.as_ref().map_err(|e| unreachable_rank(e))?;
@@ -1020,12 +1033,6 @@ async fn verify_staged(
         }
         digests.insert(r.tp_rank, mine);
     }
-    // The first replica of a version runs the reference; a later one, byte-identical to it,
-    // only its own kernel pass (its y must equal the verified y: checked by the caller).
-    let skip_reference = verified.is_some();
-    let t = Instant::now();
-    let probes = cluster.probe_staged(dp, (probe.tokens as u32, probe.latents as u32, probe.seed), skip_reference).await;
-    let probe_s = t.elapsed().as_secs_f64();
     let mut ys = Vec::new();
     for (id, p) in &probes {
         let p = p.as_ref().map_err(|e| unreachable_rank(e))?;
@@ -1052,7 +1059,7 @@ async fn verify_staged(
         Some(v) => format!("verified as byte-identical to dp{}, in rotation (round trips, digests of every rank, y {y})", v.dp),
     };
     Ok(Staged {
-        detail: format!("staged in {stage_s:.2} s, {how} in {:.2} s (reports {report_s:.2} s, probe {probe_s:.2} s)", report_s + probe_s),
+        detail: format!("staged in {stage_s:.2} s, {how} in {seconds:.2} s (reports {report_s:.2} s, probe {probe_s:.2} s, at once)"),
         y: y.clone(),
         proof: VerifiedVersion { dp, digests },
         against_reference: verified.is_none(),
