@@ -93,7 +93,7 @@ impl Memcpy {
     }
 
     /// Seconds of one copy on this thread.
-    pub fn one_thread(&mut self) -> f64 {
+    fn one_thread(&mut self) -> f64 {
         let t = Instant::now();
         self.dst.copy_from_slice(&self.src);
         std::hint::black_box(&self.dst);
@@ -103,18 +103,17 @@ impl Memcpy {
     fn gb_per_s(&self, seconds: f64) -> f64 {
         self.src.len() as f64 / seconds / 1e9
     }
-}
 
-/// Best-of-N bandwidth of copying a buffer larger than the caches, on one thread and on all
-/// rayon threads (each copies its own part).
-pub fn memcpy_bandwidth(bytes: usize, iters: usize) -> (f64, f64) {
-    let mut m = Memcpy::new(bytes);
-    let (mut best_all, mut best_one) = (f64::INFINITY, f64::INFINITY);
-    for _ in 0..iters.max(1) {
-        best_all = best_all.min(m.all_threads());
-        best_one = best_one.min(m.one_thread());
+    /// Best-of-`iters` bandwidth on one thread and on all rayon threads (each copies its own
+    /// part).
+    pub fn bandwidth(&mut self, iters: usize) -> (f64, f64) {
+        let (mut best_all, mut best_one) = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..iters.max(1) {
+            best_all = best_all.min(self.all_threads());
+            best_one = best_one.min(self.one_thread());
+        }
+        (self.gb_per_s(best_one), self.gb_per_s(best_all))
     }
-    (m.gb_per_s(best_one), m.gb_per_s(best_all))
 }
 
 /// Best-of-N bandwidth of reading a buffer larger than the caches (summing its words), on all
@@ -284,8 +283,9 @@ fn synth(dir: &Path, preset: Preset, layers: usize, format: WeightFormat) -> any
 
 /// Runs the benchmark.
 pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
-    let (one, all) = memcpy_bandwidth(512 << 20, 5);
+    // The same buffers time the copy at the start and the copies between the reloads.
     let mut memcpy = Memcpy::new(512 << 20);
+    let (one, all) = memcpy.bandwidth(5);
     let mut paths = Vec::new();
     let cases =
         [(WeightFormat::Fp8 { block: opts.preset.fp8_block() }, ScaleRule::Rceil, 0.5), (WeightFormat::Bf16, ScaleRule::Rceil, 0.35)];
