@@ -396,7 +396,7 @@ mod avx512 {
     }
 
     /// Where block `kb` of each row lies and the stride between rows. Prefetches one block's
-    /// worth of the next tile (as in `fused`). Where rows lie a multiple of 1 KiB apart (`wo_a`'s
+    /// worth of the next tile (as the `gemm::fused` kernel does). Where rows lie a multiple of 1 KiB apart (`wo_a`'s
     /// 4096 columns, `wo_b`'s 2048), 32 rows share a few L1 sets (the set repeats every 4 KiB),
     /// and the second block of each row would read lines that the first block's evicted: there
     /// two blocks of each row (one cache line) are copied into `lines` together, so that each
