@@ -55,6 +55,80 @@ pub struct BenchUpdateArgs {
     json: bool,
 }
 
+/// The machine's CPU time so far, from the first line of `/proc/stat`, in clock ticks: busy
+/// (user, nice, system, irq, softirq) and all of it (those, idle, iowait and steal).
+#[derive(Clone, Copy, Debug)]
+struct CpuTimes {
+    busy: u64,
+    all: u64,
+}
+
+impl CpuTimes {
+    /// `None` where there is no `/proc/stat` or its first line is not the one Linux writes.
+    fn now() -> Option<Self> {
+        Self::parse(&std::fs::read_to_string("/proc/stat").ok()?)
+    }
+
+    fn parse(stat: &str) -> Option<Self> {
+        let line = stat.lines().next()?.strip_prefix("cpu ")?;
+        let t: Vec<u64> = line.split_whitespace().map(str::parse).collect::<Result<_, _>>().ok()?;
+        // user nice system idle iowait irq softirq steal (guest time is inside user).
+        let [user, nice, system, idle, iowait, irq, softirq, steal] = *t.get(..8)? else { return None };
+        let busy = user + nice + system + irq + softirq;
+        Some(Self { busy, all: busy + idle + iowait + steal })
+    }
+
+    /// The busy share of the machine's CPU time between `earlier` and `self`.
+    fn busy_since(self, earlier: Option<Self>) -> Option<f64> {
+        let earlier = earlier?;
+        let all = self.all.checked_sub(earlier.all).filter(|&a| a > 0)?;
+        Some(self.busy.saturating_sub(earlier.busy) as f64 / all as f64)
+    }
+}
+
+/// What the CPU did during an update, against the probes alone before it: the update's own
+/// work (in core-seconds), and the least wall time that work takes in the cores the probes leave,
+/// however it is scheduled.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct CpuUse {
+    pub cores: usize,
+    /// Busy share of all cores during the latency phase before the updates (the probes alone).
+    pub busy_before: f64,
+    /// Busy share during the update call.
+    pub busy_during: f64,
+    /// `(busy_during - busy_before) * cores * update_s`: the update's own CPU time, taking the
+    /// probes to cost what they cost before.
+    pub work_core_s: f64,
+    /// `work_core_s / ((1 - busy_before) * cores)`: its wall time with every cycle the probes
+    /// leave, and nothing else.
+    pub floor_s: f64,
+    pub floor_over_load: f64,
+}
+
+impl CpuUse {
+    fn of(cores: usize, busy_before: Option<f64>, busy_during: Option<f64>, update_s: f64, load_s: f64) -> Option<Self> {
+        let (before, during) = (busy_before?, busy_during?);
+        let work_core_s = (during - before).max(0.0) * cores as f64 * update_s;
+        let floor_s = work_core_s / ((1.0 - before).max(1e-3) * cores as f64);
+        Some(Self { cores, busy_before: before, busy_during: during, work_core_s, floor_s, floor_over_load: floor_s / load_s })
+    }
+
+    fn render(&self, load_s: f64) -> String {
+        format!(
+            "busy {:.0}% with the probes alone, {:.0}% during the update: its own work {:.2} core-s ({:.1}x the {:.2} core-s of {} cores busy for the load); \
+             with every cycle the probes leave it takes >= {:.2} s ({:.2}x the load)",
+            self.busy_before * 100.0,
+            self.busy_during * 100.0,
+            self.work_core_s,
+            self.work_core_s / (self.cores as f64 * load_s),
+            self.cores as f64 * load_s,
+            self.cores,
+            self.floor_s,
+            self.floor_over_load
+        )
+    }
+}
+
 /// Latency percentiles of a phase, in seconds.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Latency {
@@ -95,6 +169,8 @@ pub struct UpdateBench {
     pub during: Latency,
     pub p99_during_over_before: f64,
     pub update_ok: bool,
+    /// The machine's CPU during the update against the probes alone (absent without `/proc/stat`).
+    pub cpu: Option<CpuUse>,
     /// The slowest probes during the update: when each was sent (seconds after the update
     /// began), its latency, and the replica and version that answered.
     pub slowest_during: Vec<SlowProbe>,
@@ -114,6 +190,7 @@ pub struct Back {
     pub during: Latency,
     pub p99_during_over_before: f64,
     pub update_ok: bool,
+    pub cpu: Option<CpuUse>,
     pub steps: Vec<String>,
 }
 
@@ -124,6 +201,8 @@ struct Rolled {
     ok: bool,
     during: Vec<Sample>,
     steps: Vec<String>,
+    /// The busy share of the machine's CPU during the update call.
+    busy: Option<f64>,
 }
 
 async fn roll_under_load(
@@ -135,7 +214,7 @@ async fn roll_under_load(
 ) -> anyhow::Result<Rolled> {
     let stop = AtomicBool::new(false);
     let update = async {
-        let t = Instant::now();
+        let (t, cpu) = (Instant::now(), CpuTimes::now());
         let mut c = client.clone();
         let req = orchestrator_worker::auth::request(
             pb::UpdateRequest { checkpoint_dir: to.display().to_string(), max_unavailable: 1, max_staging: 0 },
@@ -144,16 +223,17 @@ async fn roll_under_load(
         );
         let r = c.update(req).await;
         stop.store(true, Ordering::SeqCst);
-        (t.elapsed().as_secs_f64(), r)
+        let busy = CpuTimes::now().and_then(|now| now.busy_since(cpu));
+        (t.elapsed().as_secs_f64(), busy, r)
     };
     let load = at_rate_until(client, Some(token), probe, rate, Duration::from_secs(3600), Some(&stop));
-    let ((update_s, response), during) = tokio::join!(update, load);
+    let ((update_s, busy, response), during) = tokio::join!(update, load);
     let response = response.map_err(|s| anyhow::anyhow!("update: {}", s.message()))?.into_inner();
     let doc: serde_json::Value = serde_json::from_str(&response.json)?;
     let roll_s = doc["update"]["seconds"].as_f64().context("the update document has no seconds")?;
     let steps =
         doc["update"]["steps"].as_array().map(|v| v.iter().filter_map(|s| s.as_str().map(String::from)).collect()).unwrap_or_default();
-    Ok(Rolled { update_s, roll_s, ok: response.ok, during, steps })
+    Ok(Rolled { update_s, roll_s, ok: response.ok, during, steps, busy })
 }
 
 #[derive(Debug, Serialize)]
@@ -305,9 +385,12 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
         let cap = capacity(&client, Some(&token), a.probe, a.dp as usize, phase).await;
         anyhow::ensure!(cap > 0.0, "no routed probe was served while measuring capacity");
         let rate = cap / 2.0;
+        let cpu_before = CpuTimes::now();
         let before = at_rate(&client, Some(&token), a.probe, rate, phase).await;
+        let busy_before = CpuTimes::now().and_then(|now| now.busy_since(cpu_before));
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         // The update under the same load; then back to the first version.
-        let Rolled { update_s, roll_s, ok, during, steps } = roll_under_load(&client, &token, a.probe, rate, &ck_b).await?;
+        let Rolled { update_s, roll_s, ok, during, steps, busy } = roll_under_load(&client, &token, a.probe, rate, &ck_b).await?;
         let second = roll_under_load(&client, &token, a.probe, rate, &ck_a).await?;
         let errors = during.iter().chain(&before).chain(&second.during).filter(|s| !s.ok).take(5).map(|s| s.error.clone()).collect();
         let slowest_during = slowest(&during, 3);
@@ -320,6 +403,7 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
             during: second_during,
             p99_during_over_before: second_during.p99_s / before.p99_s.max(1e-9),
             update_ok: second.ok,
+            cpu: CpuUse::of(cores, busy_before, second.busy, second.update_s, load_s),
             steps: second.steps,
         };
         anyhow::Ok(UpdateBench {
@@ -344,6 +428,7 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
             during: during_l,
             p99_during_over_before: during_l.p99_s / before.p99_s.max(1e-9),
             update_ok: ok,
+            cpu: CpuUse::of(cores, busy_before, busy, update_s, load_s),
             slowest_during,
             steps,
             errors,
@@ -388,6 +473,9 @@ fn render(b: &UpdateBench, launch_s: f64) -> String {
         "  p99 during / before {:>6.2}x (goal <= 3x); failed probes {} before, {} during (goal 0)\n",
         b.p99_during_over_before, b.before.failed, b.during.failed
     ));
+    if let Some(c) = &b.cpu {
+        s.push_str(&format!("  CPU                {}\n", c.render(b.load_s)));
+    }
     for p in &b.slowest_during {
         s.push_str(&format!(
             "  slow probe: sent {:.2} s into the update, {:.3} s, replica {} on {}\n",
@@ -410,6 +498,9 @@ fn render(b: &UpdateBench, launch_s: f64) -> String {
         k.during.failed,
         k.p99_during_over_before
     ));
+    if let Some(c) = &k.cpu {
+        s.push_str(&format!("    CPU              {}\n", c.render(b.load_s)));
+    }
     for step in &k.steps {
         s.push_str(&format!("    step: {step}\n"));
     }
@@ -417,4 +508,35 @@ fn render(b: &UpdateBench, launch_s: f64) -> String {
         s.push_str(&format!("  error: {e}\n"));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_stat_parses_into_busy_and_all_ticks() {
+        let stat = "cpu  100 5 20 800 10 2 3 7 40 0\ncpu0 50 2 10 400 5 1 1 3 20 0\nintr 1 2\n";
+        let t = CpuTimes::parse(stat).expect("Linux's first line");
+        assert_eq!((t.busy, t.all), (100 + 5 + 20 + 2 + 3, 130 + 800 + 10 + 7));
+        let later = CpuTimes { busy: t.busy + 30, all: t.all + 40 };
+        assert_eq!(later.busy_since(Some(t)), Some(0.75));
+        // No time passed, an earlier sample missing, or lines that are not /proc/stat's.
+        assert_eq!(t.busy_since(Some(t)), None);
+        assert_eq!(later.busy_since(None), None);
+        for bad in ["", "cpu0 1 2 3 4 5 6 7 8\n", "cpu  1 2 3 4 5 6 7\n", "cpu  1 2 x 4 5 6 7 8\n"] {
+            assert!(CpuTimes::parse(bad).is_none(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_floor_is_the_updates_own_work_in_the_cores_the_probes_leave() {
+        // 2 cores, half busy before, fully busy for a 2 s update: 2 core-s of its own work, which
+        // the one core the probes leave does in 2 s, 4x a 0.5 s load.
+        let c = CpuUse::of(2, Some(0.5), Some(1.0), 2.0, 0.5).expect("both shares");
+        assert_eq!((c.work_core_s, c.floor_s, c.floor_over_load), (2.0, 2.0, 4.0));
+        // Busier before than during (noise) is no negative work.
+        assert_eq!(CpuUse::of(2, Some(0.6), Some(0.5), 2.0, 0.5).map(|c| c.work_core_s), Some(0.0));
+        assert!(CpuUse::of(2, None, Some(1.0), 2.0, 0.5).is_none());
+    }
 }
