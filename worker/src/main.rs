@@ -221,6 +221,8 @@ where
 }
 
 fn main() -> ExitCode {
+    // A refusal keeps glibc's defaults (correct, only slower).
+    let _ = orchestrator_worker::alloc::tune_system_allocator();
     let cli = Cli::parse();
     orchestrator_worker::logging::init(cli.log_format);
     let result = match cli.command {
