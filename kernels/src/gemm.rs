@@ -144,6 +144,12 @@ fn dequantize_rows(elements: &[u8], k: usize, scale: impl Fn(usize, usize) -> u8
 /// outputs (independent accumulators, one per lane), so each output still sums in `k` order.
 const TILE: usize = 32;
 
+/// Whether [`gemm`] takes the BF16 dot-product path (`vdpbf16ps`: two rounded multiply-adds per
+/// f32 lane and instruction) for `rows` activation rows on this CPU, where the operands allow it.
+pub fn uses_bf16_dot(rows: usize) -> bool {
+    (1..=dot::DOT_MAX_ROWS).contains(&rows) && dot::available()
+}
+
 /// `out[t, n] = sum_k a[t, k] * w[n, k]` (see the module docs for the exact arithmetic), on all
 /// cores. Returns `[T, N]` row-major.
 pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {

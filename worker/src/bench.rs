@@ -165,27 +165,52 @@ pub fn read_bandwidth(bytes: usize, iters: usize) -> f64 {
 /// running at once (so two hardware threads of one core count as the one core they are): the
 /// arithmetic roof of a GEMM bound to the plain loop's bits, where each output adds one rounded
 /// product per weight in `k` order, so that `T` activation rows cost `T` multiply-adds per
-/// weight whatever the instructions. `None` where it is not measured (no AVX-512 F, no AVX2 with
-/// FMA).
+/// weight. `None` where it is not measured (no AVX-512 F, no AVX2 with FMA).
 pub fn multiply_add_peak() -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
-        const ITERS: usize = 1 << 21;
         let lanes = peak::lanes()?;
-        let mut best = 0f64;
-        for _ in 0..3 {
-            let t = Instant::now();
-            let sums = rayon::broadcast(|_| peak::run(lanes, ITERS));
-            let s = t.elapsed().as_secs_f64();
-            std::hint::black_box(sums);
-            best = best.max((rayon::current_num_threads() * ITERS * peak::ACCUMULATORS * lanes) as f64 / s);
-        }
-        Some(best)
+        Some(best_rate(|iters| peak::run(lanes, iters), lanes))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         None
     }
+}
+
+/// The same for `vdpbf16ps`, which does two of those multiply-adds per f32 lane in one
+/// instruction (each rounded, in order: the plain loop's bits): the arithmetic roof where the
+/// GEMM takes its BF16 dot-product path ([`orchestrator_kernels::gemm::uses_bf16_dot`]), in
+/// multiply-adds per second. `None` where that path is not taken.
+pub fn bf16_dot_peak() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !orchestrator_kernels::gemm::uses_bf16_dot(1) {
+            return None;
+        }
+        // SAFETY: the dot path runs only where the CPU has AVX-512 F and BF16.
+        Some(best_rate(|iters| unsafe { peak::run_bf16(iters) }, 32))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        None
+    }
+}
+
+/// Best of 3: multiply-adds per second of `run` (`per_op` per instruction, `peak::ACCUMULATORS`
+/// chains) on every rayon thread at once.
+#[cfg(target_arch = "x86_64")]
+fn best_rate(run: impl Fn(usize) -> f32 + Sync, per_op: usize) -> f64 {
+    const ITERS: usize = 1 << 21;
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let sums = rayon::broadcast(|_| run(ITERS));
+        let s = t.elapsed().as_secs_f64();
+        std::hint::black_box(sums);
+        best = best.max((rayon::current_num_threads() * ITERS * peak::ACCUMULATORS * per_op) as f64 / s);
+    }
+    best
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -222,6 +247,19 @@ mod peak {
             }
         }
         acc
+    }
+
+    /// `ACCUMULATORS` chains of `iters` `vdpbf16ps` each.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn run_bf16(iters: usize) -> f32 {
+        // SAFETY: the same size and bits; 32 BF16 lanes of 0.5 and of 1e-7's top half.
+        let (x, y): (__m512bh, __m512bh) =
+            unsafe { (std::mem::transmute(_mm512_set1_epi16(0x3F00)), std::mem::transmute(_mm512_set1_epi16(0x33D6))) };
+        let acc = chains(iters, _mm512_set1_ps(1.0), |a| _mm512_dpbf16_ps(a, x, y));
+        acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum()
     }
 
     #[target_feature(enable = "avx512f")]
@@ -452,7 +490,8 @@ pub struct GemmResult {
     /// `weight_gb_per_s` over the read roof.
     pub fraction_of_roof: f64,
     /// The weight bytes per second at which `T` multiply-adds per weight take the measured
-    /// peak ([`multiply_add_peak`]); none where the peak is not measured.
+    /// peak of the instructions this `T` runs on ([`bf16_dot_peak`] where the GEMM takes its BF16
+    /// dot-product path, else [`multiply_add_peak`]); none where the peak is not measured.
     pub arithmetic_roof_gb_per_s: Option<f64>,
 }
 
@@ -464,6 +503,9 @@ pub struct GemmReport {
     pub read_roof_gb_per_s: f64,
     /// f32 multiply-add lanes per second on all threads at once, same run.
     pub multiply_add_peak_per_s: Option<f64>,
+    /// `vdpbf16ps` multiply-adds per second on all threads at once, same run (where the GEMM
+    /// takes that path).
+    pub bf16_dot_peak_per_s: Option<f64>,
     pub gemms: Vec<GemmResult>,
     /// Per rank of TP 4 on one dsv41-flash layer, T = 16, S = 128: the kernel-layout pass and
     /// the plain reference.
@@ -491,6 +533,7 @@ pub fn run_gemm(tokens: &[usize], dir: &Path) -> anyhow::Result<GemmReport> {
 
     let roof = read_bandwidth(512 << 20, 5);
     let peak = multiply_add_peak();
+    let dot_peak = bf16_dot_peak();
     let g = Preset::Dsv41Flash.geometry();
     let generator = Generator::new(1);
     // (name, N, K) of one rank at TP 4: wq_b, one wo_a group, wo_b.
@@ -535,7 +578,8 @@ pub fn run_gemm(tokens: &[usize], dir: &Path) -> anyhow::Result<GemmReport> {
                 naive_gflops: flops / naive / 1e9,
                 weight_gb_per_s: weight_bytes as f64 / fast / 1e9,
                 fraction_of_roof: weight_bytes as f64 / fast / 1e9 / roof,
-                arithmetic_roof_gb_per_s: peak.map(|p| p / t as f64 * (weight_bytes as f64 / (n * k) as f64) / 1e9),
+                arithmetic_roof_gb_per_s: (if orchestrator_kernels::gemm::uses_bf16_dot(t) { dot_peak.or(peak) } else { peak })
+                    .map(|p| p / t as f64 * (weight_bytes as f64 / (n * k) as f64) / 1e9),
             });
         }
     }
@@ -555,6 +599,7 @@ pub fn run_gemm(tokens: &[usize], dir: &Path) -> anyhow::Result<GemmReport> {
         threads: rayon::current_num_threads(),
         read_roof_gb_per_s: roof,
         multiply_add_peak_per_s: peak,
+        bf16_dot_peak_per_s: dot_peak,
         gemms,
         probe_kernel_s: p.kernel_s,
         probe_reference_s: p.reference_s,
@@ -563,9 +608,12 @@ pub fn run_gemm(tokens: &[usize], dir: &Path) -> anyhow::Result<GemmReport> {
 
 impl GemmReport {
     pub fn render(&self) -> String {
-        let peak = self.multiply_add_peak_per_s.map_or(String::new(), |p| {
+        let mut peak = self.multiply_add_peak_per_s.map_or(String::new(), |p| {
             format!(", f32 multiply-add peak {:.1} G lanes/s on all threads at once (the arithmetic roof: T per weight)", p / 1e9)
         });
+        if let Some(d) = self.bf16_dot_peak_per_s {
+            peak.push_str(&format!(", vdpbf16ps {:.1} G multiply-adds/s (the roof where T takes the BF16 dot-product path)", d / 1e9));
+        }
         let mut s = format!(
             "MXFP8 GEMM, dsv41-flash TP 4 shapes, {} threads, weights from memory; read roof {:.1} GB/s{peak} (same run)\n",
             self.threads, self.read_roof_gb_per_s
