@@ -115,7 +115,7 @@ impl CpuUse {
 
     fn render(&self, load_s: f64) -> String {
         format!(
-            "busy {:.0}% with the probes alone, {:.0}% during the update: its own work {:.2} core-s ({:.1}x the {:.2} core-s of {} cores busy for the load); \
+            "busy {:.0}% with the probes alone, {:.0}% during the update: its own work {:.2} core-s ({:.1}x the {:.2} core-s that {} cores could spend on the load); \
              with every cycle the probes leave it takes >= {:.2} s ({:.2}x the load)",
             self.busy_before * 100.0,
             self.busy_during * 100.0,
