@@ -32,7 +32,7 @@
 //! The factors themselves are then normal powers of two, and every sum finite. The scales
 //! cost two multiplies per row and block, where adding each scale to the weights' exponents cost
 //! four operations per decoded pair of columns (single thread, weights in cache: 1.07-1.23x at
-//! T = 1 and 2, 1.0-1.1x at T = 4 to 16).
+//! T = 1 and 2, 0.92-1.13x at T = 4 to 16, within the noise).
 //!
 //! A tile outside those bounds, with a NaN byte, or with an output that is not finite, is handed
 //! back to the other paths. On top of the CPU flag, the instruction's order and rounding are
