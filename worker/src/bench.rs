@@ -256,8 +256,12 @@ mod peak {
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub unsafe fn run_bf16(iters: usize) -> f32 {
         // SAFETY: the same size and bits; 32 BF16 lanes of 0.5 and of 1e-7's top half.
-        let (x, y): (__m512bh, __m512bh) =
-            unsafe { (std::mem::transmute(_mm512_set1_epi16(0x3F00)), std::mem::transmute(_mm512_set1_epi16(0x33D6))) };
+        let (x, y): (__m512bh, __m512bh) = unsafe {
+            (
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi16(0x3F00)),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi16(0x33D6)),
+            )
+        };
         let acc = chains(iters, _mm512_set1_ps(1.0), |a| _mm512_dpbf16_ps(a, x, y));
         acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum()
     }
