@@ -13,7 +13,8 @@
 //! fresh each time and return heap tops above 128 KiB, so the transient buffers of every probe,
 //! round trip, reference and stage were faulted in and zero-filled again by the kernel on each
 //! use (page faults of the 4 workers during an update under probes: 35-58 thousand with the
-//! defaults, 8-28 thousand tuned; in a VM whose host reclaims free guest memory each such fault
+//! defaults, 17-38 thousand tuned here, 8-28 thousand with the same settings from the
+//! environment; in a VM whose host reclaims free guest memory each such fault
 //! is also a host fault).
 
 use std::alloc::{GlobalAlloc, Layout, System};

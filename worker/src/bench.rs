@@ -321,9 +321,9 @@ fn fresh_load(exe: &Path, dir: &Path, tp: usize, rank: usize, read_gb_per_s: f64
     for _ in 0..FRESH_RUNS {
         runs.push(fresh_process(exe, dir, tp, rank)?);
     }
-    let loads_s: Vec<f64> = runs.iter().map(|r| r.0).collect();
-    let (load_s, round_trip_s, source_bytes, kernel_bytes) =
-        runs.into_iter().min_by(|a, b| a.0.total_cmp(&b.0)).context("no fresh process ran")?;
+    let loads_s: Vec<f64> = runs.iter().map(|r| r.load_s).collect();
+    let FreshRun { load_s, round_trip_s, source_bytes, kernel_bytes } =
+        runs.into_iter().min_by(|a, b| a.load_s.total_cmp(&b.load_s)).context("no fresh process ran")?;
     let load_gb_per_s = source_bytes as f64 / load_s / 1e9;
     Ok(FreshLoad {
         source_bytes,
@@ -339,8 +339,16 @@ fn fresh_load(exe: &Path, dir: &Path, tp: usize, rank: usize, read_gb_per_s: f64
     })
 }
 
-/// One fresh `exe load` process: its load and round-trip seconds, source and kernel bytes.
-fn fresh_process(exe: &Path, dir: &Path, tp: usize, rank: usize) -> anyhow::Result<(f64, f64, usize, usize)> {
+/// What one fresh `exe load` process reported.
+struct FreshRun {
+    load_s: f64,
+    round_trip_s: f64,
+    source_bytes: usize,
+    kernel_bytes: usize,
+}
+
+/// One fresh `exe load` process on one rank of `dir`.
+fn fresh_process(exe: &Path, dir: &Path, tp: usize, rank: usize) -> anyhow::Result<FreshRun> {
     let out = std::process::Command::new(exe)
         .args(["load", "--brief", "--json", "--tp", &tp.to_string(), "--rank", &rank.to_string(), "--checkpoint"])
         .arg(dir)
@@ -350,12 +358,12 @@ fn fresh_process(exe: &Path, dir: &Path, tp: usize, rank: usize) -> anyhow::Resu
     let rank = &doc["ranks"][0];
     let field = |v: &serde_json::Value, name: &str| v.as_f64().ok_or_else(|| anyhow::anyhow!("load --json has no {name}"));
     let bytes = |name: &str| rank[name].as_u64().ok_or_else(|| anyhow::anyhow!("load --json has no {name}"));
-    Ok((
-        field(&rank["timings"]["load_wall_s"], "timings.load_wall_s")?,
-        field(&rank["timings"]["round_trip_s"], "timings.round_trip_s")?,
-        bytes("source_bytes")? as usize,
-        bytes("kernel_bytes")? as usize,
-    ))
+    Ok(FreshRun {
+        load_s: field(&rank["timings"]["load_wall_s"], "timings.load_wall_s")?,
+        round_trip_s: field(&rank["timings"]["round_trip_s"], "timings.round_trip_s")?,
+        source_bytes: bytes("source_bytes")? as usize,
+        kernel_bytes: bytes("kernel_bytes")? as usize,
+    })
 }
 
 fn synth(dir: &Path, preset: Preset, layers: usize, format: WeightFormat) -> anyhow::Result<()> {
