@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU acceptance check (one GPU; about 5-8 minutes on an H200 when it builds, less from a bundle):
+# GPU acceptance check (one GPU; 25 s on an H200 from a bundle, measured 2026-12-04; minutes more when it builds):
 #   0. finds the CUDA driver, NVRTC and NCCL libraries (pip wheels' versioned names included);
 #   1. checks kernels.cu compiled for the host against the CPU backend (no GPU needed);
 #   2. builds everything with the `cuda` feature, or, on a machine without a Rust toolchain,
@@ -29,6 +29,8 @@ START=$SECONDS
 
 step "GPU"
 nvidia-smi -L || echo "(nvidia-smi not available)"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || true
+command -v nvcc > /dev/null && nvcc --version | tail -2
 
 step "CUDA libraries"
 # cudarc loads libcuda.so(.1), libnvrtc.so(.12) and libnccl.so; CUDA 13 machines and pip
@@ -45,6 +47,9 @@ find_lib() {
     -name "$1*" 2>/dev/null | grep -v -e '\.a$' -e stub | sort -V | tail -1
 }
 for lib in libcuda.so libnvrtc.so libnccl.so; do
+  # Every copy on the machine, for the log (a wrong pick is then visible).
+  find /usr/local/cuda*/lib64 /usr/local/nvidia /usr/lib/x86_64-linux-gnu /opt /usr/local/lib /usr/lib/python3*/ \
+    -name "$lib*" 2>/dev/null | grep -v -e '\.a$' -e stub | sed "s/^/  candidate: /" || true
   found=$(find_lib "$lib" || true)
   if [ -n "$found" ]; then
     ln -sf "$found" "$LIBS/$lib"

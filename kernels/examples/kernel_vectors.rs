@@ -12,7 +12,7 @@ use std::path::Path;
 
 use orchestrator_kernels::gemm::{MxMatrix, ScaleView, WeightView, gemm};
 use orchestrator_kernels::permutation::{BlockOrder, O_CHUNK, Permutation, gather_runs};
-use orchestrator_kernels::{ScaleRule, backend, layout, mxfp8};
+use orchestrator_kernels::{KernelError, ScaleRule, backend, layout, mxfp8};
 
 use orchestrator_kernels::testdata::splitmix_bytes as bytes;
 
@@ -129,8 +129,32 @@ fn main() {
     for (at, bits) in [((17 * 128 + 70) * 2, 0x7F80u16), ((40 * 128 + 3) * 2, 0xFFC1)] {
         bad[at..at + 2].copy_from_slice(&bits.to_le_bytes());
     }
-    let first_bad = (17 * 128 + 70) as u64;
-    case(dir, "quantize_nan", "quantize_bf16", &[64, 128, 0, 0], &[&bad, &u32s(&[0])], &[&[], &[], &first_bad.to_le_bytes()]);
+    // The expected key is the CPU error's source row and destination column (kernels.cu): with
+    // rows reversed, source row 17 still comes first although its destination row (46) is
+    // after row 40's (23); with blocks reversed, column 70 (block 2) lands in block 1.
+    let reversed = Permutation::from_map((0..64u32).rev().collect()).unwrap();
+    let blocks = Permutation::from_map(vec![3, 2, 1, 0]).unwrap();
+    for (mode, order) in [BlockOrder::Identity, BlockOrder::Rows(&reversed), BlockOrder::Chunks(&blocks)].into_iter().enumerate() {
+        let err = mxfp8::quantize_bf16_ordered(&bad, 64, 128, ScaleRule::Rceil, order, &mut Vec::new(), &mut Vec::new()).unwrap_err();
+        let KernelError::NonFinite { row, col } = err else { panic!("{err:?}") };
+        let dst_col = match order {
+            BlockOrder::Chunks(p) => p.inverse_map()[col / 32] as usize * 32 + col % 32,
+            _ => col,
+        };
+        let perm: Vec<u32> = match order {
+            BlockOrder::Identity => vec![0],
+            BlockOrder::Rows(p) | BlockOrder::Chunks(p) => p.as_slice().to_vec(),
+        };
+        let key = (row * 128 + dst_col) as u64;
+        case(
+            dir,
+            &format!("quantize_nan_m{mode}"),
+            "quantize_bf16",
+            &[64, 128, 0, mode as u64],
+            &[&bad, &u32s(&perm)],
+            &[&[], &[], &key.to_le_bytes()],
+        );
+    }
 
     // swizzle / unswizzle
     for (i, (m, c)) in [(8192usize, 40usize), (300, 41), (3, 5)].into_iter().enumerate() {

@@ -12,25 +12,34 @@ typedef unsigned long long u64;
 #define GRID_STRIDE(i, n) for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)blockDim.x * gridDim.x)
 
 // ---- permutation.rs: gather_runs -------------------------------------------------------------
-// dst[row][f] = src[row][perm[f]] over runs of `run_bytes` bytes; rows of n_runs * run_bytes.
-extern "C" __global__ void gather_runs(const u8* src, u8* dst, const u32* perm, u64 total, u64 n_runs, u64 run_bytes) {
-    u64 row_bytes = n_runs * run_bytes;
-    GRID_STRIDE(i, total) {
-        u64 row = i / row_bytes, rem = i % row_bytes;
-        u64 f = rem / run_bytes, b = rem % run_bytes;
-        dst[i] = src[row * row_bytes + (u64)perm[f] * run_bytes + b];
+// dst[row][f] = src[row][perm[f]] over runs of `run` elements (bytes, or 16-byte words); rows of
+// n_runs * run. The index arithmetic runs in 32 bits where every index fits (a 64-bit division
+// is a long software sequence on the GPU, and these kernels do two per element).
+template <typename T, typename I>
+__device__ __forceinline__ void gather_body(const T* src, T* dst, const u32* perm, I total, I n_runs, I run) {
+    I row_len = n_runs * run;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (I)blockDim.x * gridDim.x) {
+        I row = i / row_len, rem = i % row_len;
+        I f = rem / run, b = rem % run;
+        dst[i] = src[row * row_len + (I)perm[f] * run + b];
     }
+}
+
+template <typename T>
+__device__ __forceinline__ void gather(const T* src, T* dst, const u32* perm, u64 total, u64 n_runs, u64 run) {
+    // The largest index formed is below total + the grid's stride; 2^31 leaves room for both.
+    if (total < (1ull << 31)) gather_body<T, u32>(src, dst, perm, (u32)total, (u32)n_runs, (u32)run);
+    else gather_body<T, u64>(src, dst, perm, total, n_runs, run);
+}
+
+extern "C" __global__ void gather_runs(const u8* src, u8* dst, const u32* perm, u64 total, u64 n_runs, u64 run_bytes) {
+    gather(src, dst, perm, total, n_runs, run_bytes);
 }
 
 // The same on 16-byte words (run_bytes a multiple of 16; buffers are 256-byte aligned).
 // Sizes count words.
 extern "C" __global__ void gather_runs_v16(const uint4* src, uint4* dst, const u32* perm, u64 total, u64 n_runs, u64 run_words) {
-    u64 row_words = n_runs * run_words;
-    GRID_STRIDE(i, total) {
-        u64 row = i / row_words, rem = i % row_words;
-        u64 f = rem / run_words, b = rem % run_words;
-        dst[i] = src[row * row_words + (u64)perm[f] * run_words + b];
-    }
+    gather(src, dst, perm, total, n_runs, run_words);
 }
 
 // ---- backend.rs: expand_block_scales --------------------------------------------------------
@@ -112,8 +121,10 @@ __device__ __forceinline__ float e8m0_to_f32(u8 b) {
 // MXFP8-quantizes BF16 rows [rows, k] (little-endian) along K, one thread per 32-element
 // destination block, writing straight into the layout `mode` names:
 // 0 identity; 1 destination row r reads source row perm[r]; 2 destination block j of every row
-// reads source block perm[j]. A NaN or infinity records the smallest *destination* element
-// index that holds one in *err (the CPU reports the first in destination order).
+// reads source block perm[j]. A NaN or infinity records in *err the smallest key
+// src_row * k + destination column among the elements that hold one: the CPU walks source rows
+// in checkpoint order and each row's blocks in destination order, and reports the first it
+// meets, so the smallest key is that element.
 extern "C" __global__ void quantize_bf16(const u16* src, u8* elements, u8* scales, u64 rows, u64 k, int rule, int mode,
                                          const u32* perm, u64* err) {
     u64 c = k / 32;
@@ -121,31 +132,43 @@ extern "C" __global__ void quantize_bf16(const u16* src, u8* elements, u8* scale
         u64 row = blk / c, j = blk % c;
         u64 src_row = mode == 1 ? (u64)perm[row] : row;
         u64 src_j = mode == 2 ? (u64)perm[j] : j;
-        const u16* in = src + src_row * k + src_j * 32;
-        u16 h[32];
+        // The block's 64 bytes in four 16-byte loads and its 32 output bytes in two 16-byte
+        // stores (a block starts at a multiple of 64 source and 32 destination bytes; device
+        // allocations are 256-byte aligned), not one load or store per element.
+        const uint4* in = (const uint4*)(src + src_row * k + src_j * 32);
+        u32 w[16];
+        for (int q = 0; q < 4; ++q) {
+            uint4 v = in[q];
+            w[4 * q] = v.x; w[4 * q + 1] = v.y; w[4 * q + 2] = v.z; w[4 * q + 3] = v.w;
+        }
         u16 amax = 0;
         int bad = -1;
         for (int i = 0; i < 32; ++i) {
-            h[i] = in[i];
-            u16 m = h[i] & 0x7FFF;
+            u16 h = (u16)(w[i / 2] >> (16 * (i % 2)));
+            u16 m = h & 0x7FFF;
             if (m > amax) amax = m;
-            if (bad < 0 && (h[i] & 0x7F80) == 0x7F80) bad = i;
+            if (bad < 0 && (h & 0x7F80) == 0x7F80) bad = i;
         }
-        u8* out = elements + row * k + j * 32;
+        uint4* out = (uint4*)(elements + row * k + j * 32);
+        u32 o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        u8 scale = 0;
         if (bad >= 0) {
-            atomicMin(err, row * k + j * 32 + (u64)bad);
-            scales[blk] = 0;
-            continue;
+            atomicMin(err, src_row * k + j * 32 + (u64)bad);
+        } else if (amax != 0) {
+            int e = scale_exponent(__uint_as_float((u32)amax << 16), rule);
+            float inv = pow2(-e);
+            for (int i = 0; i < 32; ++i) {
+                u32 h = (w[i / 2] >> (16 * (i % 2))) & 0xFFFFu;
+                o[i / 4] |= (u32)e4m3_from_f32(__fmul_rn(__uint_as_float(h << 16), inv)) << (8 * (i % 4));
+            }
+            scale = (u8)(e + 127);
         }
-        if (amax == 0) {
-            for (int i = 0; i < 32; ++i) out[i] = 0;
-            scales[blk] = 0;
-            continue;
-        }
-        int e = scale_exponent(__uint_as_float((u32)amax << 16), rule);
-        float inv = pow2(-e);
-        for (int i = 0; i < 32; ++i) out[i] = e4m3_from_f32(__fmul_rn(__uint_as_float((u32)h[i] << 16), inv));
-        scales[blk] = (u8)(e + 127);
+        uint4 lo, hi;
+        lo.x = o[0]; lo.y = o[1]; lo.z = o[2]; lo.w = o[3];
+        hi.x = o[4]; hi.y = o[5]; hi.z = o[6]; hi.w = o[7];
+        out[0] = lo;
+        out[1] = hi;
+        scales[blk] = scale;
     }
 }
 
