@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU acceptance check (one GPU; 25 s on an H200 from a bundle, measured 2026-12-04; minutes more when it builds):
+# GPU acceptance check (one GPU; 38 s on an H200 from a bundle, measured 2026-12-04; minutes more when it builds):
 #   0. finds the CUDA driver, NVRTC and NCCL libraries (pip wheels' versioned names included);
 #   1. checks kernels.cu compiled for the host against the CPU backend (no GPU needed);
 #   2. builds everything with the `cuda` feature, or, on a machine without a Rust toolchain,
@@ -12,7 +12,9 @@
 #      digests equal);
 #   6. `orchestrator launch --device cuda --tp 1 --verify golden`: a GPU worker's report checked
 #      against the coordinator's CPU recomputation;
-#   7. the GPU benchmarks; then a summary.
+#   7. a rolling update of a served TP 1 x DP 2 cluster of GPU workers (both on GPU 0): A -> B
+#      verified and swapped, then a worker whose stage skips the permutation refused;
+#   8. the GPU benchmarks; then a summary.
 # Output and logs: $GPU_CHECK_OUT (default: a temporary directory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -133,6 +135,67 @@ if "$BIN/orchestrator" launch --device cuda --tp 1 --verify golden --json > "$LO
 else
   fail "launch --device cuda --tp 1 (see $LOG/launch.json, $LOG/launch.err)"
 fi
+
+step "rolling update on GPU workers (TP 1 x DP 2 on one GPU): A -> B staged, verified, swapped; a bad stage refused"
+# Two replicas share GPU 0 (one NCCL rank each). The update stages B into device buffers beside
+# A, verifies dp0 against the reference and dp1 as byte-identical to dp0, and swaps; with a
+# worker that skips the permutation while staging, dp1 must fail verification and keep A.
+O=$BIN/orchestrator
+UPD=$LOG/update
+CKPTS=$(mktemp -d) # the two checkpoints stay out of the logs' archive
+mkdir -p "$UPD"
+"$O" checkpoint synth --preset dsv41-flash --layers 2 --seed 1 --out "$CKPTS/A" > /dev/null
+"$O" checkpoint synth --preset dsv41-flash --layers 2 --seed 2 --out "$CKPTS/B" > /dev/null
+serve() { # NAME [launch flags]: a served cluster on A; sets URL, TOKEN and SERVE_PID
+  local name=$1
+  shift
+  "$O" launch --device cuda --tp 1 --dp 2 --checkpoint "$CKPTS/A" --allow-root "$CKPTS" --serve --listen 127.0.0.1:0 "$@" \
+    > "$UPD/$name.out" 2> "$UPD/$name.err" &
+  SERVE_PID=$!
+  for _ in $(seq 1 240); do
+    grep -q '^serving' "$UPD/$name.err" && break
+    kill -0 "$SERVE_PID" 2> /dev/null || break
+    sleep 0.25
+  done
+  URL=$(grep -o -- '--coordinator [^ ]*' "$UPD/$name.err" | head -1 | cut -d' ' -f2)
+  TOKEN=$(grep -o -- '--token-file [^ `]*' "$UPD/$name.err" | head -1 | cut -d' ' -f2)
+  [ -n "$URL" ] && [ -n "$TOKEN" ]
+}
+unserve() {
+  "$O" shutdown --coordinator "$URL" --token-file "$TOKEN" > /dev/null 2>&1 || kill "$SERVE_PID" 2> /dev/null || true
+  wait "$SERVE_PID" 2> /dev/null || true
+}
+if serve good; then
+  ok=0
+  "$O" update --coordinator "$URL" --token-file "$TOKEN" --checkpoint "$CKPTS/B" > "$UPD/update.txt" 2>&1 || ok=1
+  B_VERSION=$(grep -o 'version [0-9a-f]\{16\}' "$UPD/update.txt" | head -1 | cut -d' ' -f2)
+  "$O" report --coordinator "$URL" --token-file "$TOKEN" > "$UPD/report.txt" 2>&1 || ok=1
+  unserve
+  if [ $ok = 0 ] && [ -n "$B_VERSION" ] && grep -q '^CONSISTENT' "$UPD/report.txt" && [ "$(grep -c "cuda.* $B_VERSION " "$UPD/report.txt")" = 2 ]; then
+    pass "update on GPU workers: both replicas on $B_VERSION, CONSISTENT ($(grep '^timings' "$UPD/update.txt" | tail -1))"
+  else
+    fail "update on GPU workers (see $UPD/update.txt, $UPD/report.txt)"
+  fi
+else
+  fail "launch --device cuda --tp 1 --dp 2 --serve (see $UPD/good.err)"
+fi
+if serve bad --inject-fault 1:stage-skip-permute; then
+  if "$O" update --coordinator "$URL" --token-file "$TOKEN" --checkpoint "$CKPTS/B" > "$UPD/update-bad.txt" 2>&1; then
+    unserve
+    fail "an update whose dp1 stage skipped the permutation succeeded (see $UPD/update-bad.txt)"
+  else
+    unserve
+    if grep -q 'replica dp1: FAILED, kept version' "$UPD/update-bad.txt"; then
+      pass "a GPU stage that skipped the permutation was refused: $(grep -o 'replica dp1: FAILED, kept version [0-9a-f]*' "$UPD/update-bad.txt")"
+    else
+      fail "the bad stage failed for another reason (see $UPD/update-bad.txt)"
+    fi
+  fi
+else
+  fail "launch --device cuda --inject-fault (see $UPD/bad.err)"
+fi
+
+rm -rf "$CKPTS"
 
 step "GPU benchmarks"
 if "$W" bench-cuda --iters 10 | tee "$LOG/bench.txt"; then
