@@ -276,7 +276,6 @@ impl CudaBackend {
     /// A staging slot: the free one returned longest ago, else a new one while fewer than
     /// [`MAX_SLOTS`] exist, else the next one returned.
     fn take_slot(&self) -> Result<PinnedSlot, KernelError> {
-        let poisoned = |_| KernelError::Device("the staging lock is poisoned".into());
         let mut staging = self.staging.lock().map_err(poisoned)?;
         loop {
             if let Some(slot) = staging.free.pop_front() {
@@ -296,7 +295,7 @@ impl CudaBackend {
     }
 
     fn return_slot(&self, slot: PinnedSlot) -> Result<(), KernelError> {
-        self.staging.lock().map_err(|_| KernelError::Device("the staging lock is poisoned".into()))?.free.push_back(slot);
+        self.staging.lock().map_err(poisoned)?.free.push_back(slot);
         self.slot_returned.notify_one();
         Ok(())
     }
@@ -427,6 +426,10 @@ impl CudaBackend {
         let mut d = d.slice_mut(..src.len);
         self.stream.memcpy_dtod(&s, &mut d).map_err(dev("device-to-device copy"))
     }
+}
+
+fn poisoned<T>(_: T) -> KernelError {
+    KernelError::Device("the staging lock is poisoned".into())
 }
 
 /// A pinned staging slot of [`STAGING_BYTES`] with its event.
