@@ -159,14 +159,10 @@ fn gpu_list() -> Vec<String> {
     (0..n).map(|i| i.to_string()).collect()
 }
 
-#[cfg(feature = "cuda")]
+/// The GPUs this process sees (one where it sees none, or in a build without the `cuda`
+/// feature, whose dummy CUDA module counts none).
 fn visible_gpus() -> usize {
     orchestrator_kernels::cuda::CudaBackend::device_count().max(1)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn visible_gpus() -> usize {
-    1
 }
 
 /// A failure named by rank.

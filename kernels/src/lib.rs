@@ -6,6 +6,10 @@ pub mod attention;
 pub mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+/// Without the `cuda` feature, the same names with nothing behind them (the one `cfg`).
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_dummy.rs"]
+pub mod cuda;
 pub mod digest;
 pub mod e4m3;
 pub mod e8m0;

@@ -10,6 +10,7 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
+use orchestrator_kernels::cuda::{self, CudaBackend, DeviceBuffer};
 use orchestrator_kernels::gemm::MxMatrix;
 use orchestrator_kernels::permutation::{BlockOrder, Permutation};
 use orchestrator_kernels::{Backend, BackendWeight, CpuBackend, Digest, KernelError, ScaleRule};
@@ -39,18 +40,17 @@ pub fn narrow_to_local_gpu(local_index: Option<u32>) {
     unsafe { std::env::set_var("CUDA_VISIBLE_DEVICES", chosen) };
 }
 
-/// The CPU backend or one GPU.
+/// The CPU backend or one GPU (a variant that cannot be built without the `cuda` feature: the
+/// kernels crate's dummy `cuda` module).
 pub enum AnyBackend {
     Cpu(CpuBackend),
-    #[cfg(feature = "cuda")]
-    Cuda(Box<orchestrator_kernels::cuda::CudaBackend>),
+    Cuda(Box<CudaBackend>),
 }
 
 /// A buffer of an [`AnyBackend`].
 pub enum AnyBuffer {
     Host(Vec<u8>),
-    #[cfg(feature = "cuda")]
-    Device(orchestrator_kernels::cuda::DeviceBuffer),
+    Device(DeviceBuffer),
 }
 
 impl AnyBackend {
@@ -59,10 +59,8 @@ impl AnyBackend {
     pub fn open(name: &str) -> Result<Self, KernelError> {
         match name {
             "" | "cpu" => Ok(AnyBackend::Cpu(CpuBackend)),
-            #[cfg(feature = "cuda")]
-            "cuda" => Ok(AnyBackend::Cuda(Box::new(orchestrator_kernels::cuda::CudaBackend::new(0)?))),
-            #[cfg(not(feature = "cuda"))]
-            "cuda" => Err(KernelError::Device("device cuda: this binary was built without the `cuda` feature".into())),
+            "cuda" if !cuda::BUILT_IN => Err(KernelError::Device("device cuda: this binary was built without the `cuda` feature".into())),
+            "cuda" => Ok(AnyBackend::Cuda(Box::new(CudaBackend::new(0)?))),
             other => Err(KernelError::Device(format!("unknown device `{other}` (expected cpu or cuda)"))),
         }
     }
@@ -82,7 +80,6 @@ impl AnyBackend {
     pub fn nccl_unique_id(&self) -> Result<Vec<u8>, CollectiveError> {
         match self {
             AnyBackend::Cpu(_) => Ok(Vec::new()),
-            #[cfg(feature = "cuda")]
             AnyBackend::Cuda(_) => crate::nccl::NcclCollective::unique_id(),
         }
     }
@@ -100,10 +97,8 @@ impl AnyBackend {
         timeout: Duration,
         y: &mut [f32],
     ) -> Result<(), CollectiveError> {
-        let _ = (&collectives, group, id, rank, world, timeout, &y);
         match self {
             AnyBackend::Cpu(_) => Err(CollectiveError::InvalidGroup { reason: "NCCL was requested from a CPU worker".into() }),
-            #[cfg(feature = "cuda")]
             AnyBackend::Cuda(b) => {
                 use crate::collective::Collective;
                 if collectives.nccl.as_ref().is_none_or(|(g, _)| *g != group) {
@@ -121,11 +116,9 @@ impl AnyBackend {
 /// The device collectives of one worker (an NCCL communicator per TP group, on GPU workers).
 #[derive(Default)]
 pub struct DeviceCollectives {
-    #[cfg(feature = "cuda")]
     nccl: Option<(u64, crate::nccl::NcclCollective)>,
 }
 
-#[cfg(feature = "cuda")]
 fn mismatch() -> KernelError {
     KernelError::Device("a buffer of another device was passed to this backend".into())
 }
@@ -134,13 +127,11 @@ macro_rules! host {
     ($b:expr) => {
         match $b {
             AnyBuffer::Host(v) => v,
-            #[cfg(feature = "cuda")]
             _ => return Err(mismatch()),
         }
     };
 }
 
-#[cfg(feature = "cuda")]
 macro_rules! device {
     ($b:expr) => {
         match $b {
@@ -156,7 +147,6 @@ macro_rules! forward {
     ($self:expr, |$b:ident| $cpu:expr, |$g:ident| $cuda:expr) => {
         match $self {
             AnyBackend::Cpu($b) => $cpu,
-            #[cfg(feature = "cuda")]
             AnyBackend::Cuda($g) => $cuda,
         }
     };
@@ -168,13 +158,14 @@ impl Backend for AnyBackend {
     fn name(&self) -> String {
         forward!(self, |b| b.name(), |g| g.name())
     }
+    // Without the `cuda` feature the device buffer is uninhabited, and wrapping one unreachable.
+    #[allow(unreachable_code)]
     fn empty(&self) -> AnyBuffer {
         forward!(self, |b| AnyBuffer::Host(b.empty()), |g| AnyBuffer::Device(g.empty()))
     }
     fn len(&self, buf: &AnyBuffer) -> usize {
         match buf {
             AnyBuffer::Host(v) => v.len(),
-            #[cfg(feature = "cuda")]
             AnyBuffer::Device(d) => match self {
                 AnyBackend::Cuda(g) => g.len(d),
                 AnyBackend::Cpu(_) => 0,
@@ -184,7 +175,6 @@ impl Backend for AnyBackend {
     fn capacity(&self, buf: &AnyBuffer) -> usize {
         match buf {
             AnyBuffer::Host(v) => v.capacity(),
-            #[cfg(feature = "cuda")]
             AnyBuffer::Device(d) => match self {
                 AnyBackend::Cuda(g) => g.capacity(d),
                 AnyBackend::Cpu(_) => 0,
@@ -194,7 +184,6 @@ impl Backend for AnyBackend {
     fn allocation_id(&self, buf: &AnyBuffer) -> usize {
         match buf {
             AnyBuffer::Host(v) => v.as_ptr() as usize,
-            #[cfg(feature = "cuda")]
             AnyBuffer::Device(d) => match self {
                 AnyBackend::Cuda(g) => g.allocation_id(d),
                 AnyBackend::Cpu(_) => 0,

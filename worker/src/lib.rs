@@ -17,7 +17,6 @@ pub mod loader;
 pub mod logging;
 pub mod manifest;
 pub mod metrics;
-#[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod output;
 pub mod placement;

@@ -3,9 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
-#[cfg(not(feature = "cuda"))]
-use anyhow::bail;
+use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use orchestrator_kernels::{Backend, CpuBackend, ScaleRule};
 use orchestrator_worker::bench::{self, BenchOptions};
@@ -126,17 +124,14 @@ struct BenchCudaArgs {
     iters: usize,
 }
 
-#[cfg(feature = "cuda")]
 fn bench_cuda(args: &BenchCudaArgs) -> anyhow::Result<bool> {
+    if !orchestrator_kernels::cuda::BUILT_IN {
+        bail!("bench-cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)")
+    }
     let backend = orchestrator_kernels::cuda::CudaBackend::new(0)?;
     let figures = orchestrator_kernels::cuda::bench::run(&backend, args.iters)?;
     emit(&orchestrator_kernels::cuda::bench::render(&format!("{} ({})", backend.device_name(), backend.name()), &figures));
     Ok(true)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn bench_cuda(_args: &BenchCudaArgs) -> anyhow::Result<bool> {
-    bail!("bench-cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)")
 }
 
 fn source_of(args: &LoadArgs) -> anyhow::Result<LoadSource> {
@@ -150,10 +145,10 @@ fn source_of(args: &LoadArgs) -> anyhow::Result<LoadSource> {
 fn check_device(device: Device) -> anyhow::Result<()> {
     match device {
         Device::Cpu => Ok(()),
-        #[cfg(feature = "cuda")]
+        Device::Cuda if !orchestrator_kernels::cuda::BUILT_IN => {
+            bail!("--device cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)")
+        }
         Device::Cuda => Ok(orchestrator_kernels::cuda::CudaLibraries::probe().require_all()?),
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda => bail!("--device cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)"),
     }
 }
 
@@ -164,7 +159,7 @@ fn load(args: LoadArgs) -> anyhow::Result<bool> {
     orchestrator_model::plan::validate_tp(geometry, args.tp)?;
     match args.device {
         Device::Cpu => load_on(&CpuBackend, &args, &source),
-        #[cfg(feature = "cuda")]
+        // Refused by `check_device` above in a build without the `cuda` feature.
         Device::Cuda => {
             // One OS thread opens the GPU (device 0 of what `CUDA_VISIBLE_DEVICES` leaves visible),
             // owns its context and stream, and drives the whole load from there.
@@ -177,8 +172,6 @@ fn load(args: LoadArgs) -> anyhow::Result<bool> {
                 .map_err(|_| anyhow::anyhow!("the CUDA thread panicked"))?
             })
         }
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda => bail!("--device cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)"),
     }
 }
 

@@ -1,9 +1,9 @@
-//! The [`Collective`] of GPU workers: the probe's all-reduce over NCCL (behind the `cuda`
-//! feature). Rank 0 of a TP group creates the unique id ([`NcclCollective::unique_id`]), the
-//! coordinator relays it, and every rank joins on the thread that owns its GPU. The result is
-//! the same rank-order sum as every other [`Collective`] (an NCCL all-gather, then the sum on
-//! the host), bit-identical on every rank; every call has a deadline, and a dead peer is an
-//! error, never a hang.
+//! The [`Collective`] of GPU workers: the probe's all-reduce over NCCL (without the `cuda`
+//! feature, the kernels crate's dummy `cuda` module makes every call an error). Rank 0 of a TP
+//! group creates the unique id ([`NcclCollective::unique_id`]), the coordinator relays it, and
+//! every rank joins on the thread that owns its GPU. The result is the same rank-order sum as
+//! every other [`Collective`] (an NCCL all-gather, then the sum on the host), bit-identical on
+//! every rank; every call has a deadline, and a dead peer is an error, never a hang.
 
 use std::time::Duration;
 

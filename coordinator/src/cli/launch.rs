@@ -307,13 +307,13 @@ pub fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
     let device = match a.device {
         Device::Cpu => launch::WorkerDevice::Cpu,
         // Fail before starting anything when CUDA cannot work here.
-        #[cfg(feature = "cuda")]
+        Device::Cuda if !orchestrator_kernels::cuda::BUILT_IN => {
+            anyhow::bail!("--device cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)")
+        }
         Device::Cuda => {
             orchestrator_kernels::cuda::CudaLibraries::probe().require_all()?;
             launch::WorkerDevice::Cuda
         }
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda => anyhow::bail!("--device cuda: this binary was built without the `cuda` feature (rebuild with `--features cuda`)"),
     };
     let grace = a.worker_grace.unwrap_or(if a.plan.state_dir.is_some() { 60.0 } else { 3.0 });
     let workers = Workers::Local { device, grace: seconds(grace, "--worker-grace")? };

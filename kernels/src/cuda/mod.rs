@@ -15,6 +15,9 @@ pub use backend::{CudaBackend, DeviceBuffer, KERNELS_CU};
 
 use crate::KernelError;
 
+/// Whether this build has the CUDA backend (`cuda` feature; `cuda_dummy.rs` says false).
+pub const BUILT_IN: bool = true;
+
 /// Which CUDA libraries this process can load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CudaLibraries {
