@@ -1,6 +1,7 @@
 //! The CUDA backend against the CPU backend, byte for byte, on random data: every layout
 //! operation, both scale rules, the ordered (permuted) quantization, the errors, the pinned
-//! upload of more than one staging slot, and the probe GEMM in all three scale layouts.
+//! upload of more than one staging slot (and of more uploads at once than there are slots),
+//! and the probe GEMM in all three scale layouts.
 //! Compiled with `--features cuda`; without a GPU (or without the CUDA libraries) every test
 //! prints why it skipped and passes.
 #![cfg(feature = "cuda")]
@@ -67,6 +68,32 @@ fn upload_download_and_digest_across_staging_slots() {
     g.upload(&bytes(600, 2), &mut d).unwrap();
     assert_eq!(g.allocation_id(&d), id);
     assert_eq!(down(&g, &d), bytes(600, 2));
+}
+
+#[test]
+fn concurrent_uploads_and_digests_share_the_staging_slots() {
+    let Some(g) = gpu() else { return };
+    // Twelve uploads at once, each split over three threads of its own: more fillers than the
+    // pool has slots, so each waits for slots the others return, and every buffer lands whole.
+    let hosts: Vec<Vec<u8>> = (0..12).map(|i| bytes((33 << 20) + i * 4099, 100 + i as u64)).collect();
+    // Each then digests its buffer (two slots at once, streamed) while the others upload.
+    let uploaded: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = hosts
+            .iter()
+            .map(|h| {
+                s.spawn(|| {
+                    let d = up(&g, h);
+                    let digest = g.digest(&d).unwrap();
+                    (d, digest)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("an upload thread panicked")).collect()
+    });
+    for (i, (host, (d, digest))) in hosts.iter().zip(&uploaded).enumerate() {
+        assert!(down(&g, d) == *host, "upload {i} of {} bytes", host.len());
+        assert_eq!(*digest, CpuBackend.digest(host).unwrap(), "digest of upload {i}");
+    }
 }
 
 #[test]

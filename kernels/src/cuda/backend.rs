@@ -16,7 +16,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::{CompileError, CompileOptions, compile_ptx_with_opts};
 
 use crate::backend::{Backend, BackendWeight, ScaleKind};
-use crate::digest::Digest;
+use crate::digest::{Digest, DigestStream};
 use crate::gemm::MxMatrix;
 use crate::layout;
 use crate::mxfp8::{self, ScaleRule};
@@ -110,6 +110,9 @@ pub struct CudaBackend {
     /// per-buffer event tracking (on whenever a context has its own streams) orders each copy
     /// after the earlier uses of its destination and each kernel after the copy of its inputs.
     copy_stream: Arc<CudaStream>,
+    /// Device-to-host copies of the digests (the other copy engine), ordered after the writes of
+    /// the buffer they read in the same way.
+    d2h_stream: Arc<CudaStream>,
     kernels: Kernels,
     staging: Mutex<Staging>,
     /// Signalled when a slot goes back to `staging`.
@@ -153,6 +156,7 @@ impl CudaBackend {
         let ctx = CudaContext::new(ordinal).map_err(dev("context"))?;
         let stream = ctx.new_stream().map_err(dev("stream"))?;
         let copy_stream = ctx.new_stream().map_err(dev("stream"))?;
+        let d2h_stream = ctx.new_stream().map_err(dev("stream"))?;
         let (major, minor) = ctx.compute_capability().map_err(dev("compute capability"))?;
         let kernels = compile(&ctx, major, minor)?;
         let free = [new_slot(&ctx)?, new_slot(&ctx)?].into();
@@ -160,6 +164,7 @@ impl CudaBackend {
             ctx,
             stream,
             copy_stream,
+            d2h_stream,
             kernels,
             staging: Mutex::new(Staging { free, allocated: 2 }),
             slot_returned: Condvar::new(),
@@ -175,6 +180,7 @@ impl CudaBackend {
     /// Waits for all work queued on the backend's streams (copies and kernels).
     pub fn synchronize(&self) -> Result<(), KernelError> {
         self.copy_stream.synchronize().map_err(dev("synchronize"))?;
+        self.d2h_stream.synchronize().map_err(dev("synchronize"))?;
         self.stream.synchronize().map_err(dev("synchronize"))
     }
 
@@ -276,28 +282,97 @@ impl CudaBackend {
     /// A staging slot: the free one returned longest ago, else a new one while fewer than
     /// [`MAX_SLOTS`] exist, else the next one returned.
     fn take_slot(&self) -> Result<PinnedSlot, KernelError> {
+        Ok(self.take_slots(1)?.pop().expect("one slot"))
+    }
+
+    /// `n` staging slots at once (the oldest returned first, then new ones while fewer than
+    /// [`MAX_SLOTS`] exist), waiting until that many can be had. A caller that holds slots never
+    /// waits for more, so slots cannot deadlock.
+    fn take_slots(&self, n: usize) -> Result<Vec<PinnedSlot>, KernelError> {
+        debug_assert!(n <= MAX_SLOTS);
         let mut staging = self.staging.lock().map_err(poisoned)?;
-        loop {
-            if let Some(slot) = staging.free.pop_front() {
-                return Ok(slot);
-            }
-            if staging.allocated < MAX_SLOTS {
-                staging.allocated += 1;
-                drop(staging);
-                return new_slot(&self.ctx).inspect_err(|_| {
-                    if let Ok(mut s) = self.staging.lock() {
-                        s.allocated -= 1;
-                    }
-                });
-            }
+        while staging.free.len() + (MAX_SLOTS - staging.allocated) < n {
             staging = self.slot_returned.wait(staging).map_err(poisoned)?;
         }
+        let pooled = n.min(staging.free.len());
+        let mut slots: Vec<PinnedSlot> = staging.free.drain(..pooled).collect();
+        let fresh = n - slots.len();
+        staging.allocated += fresh;
+        drop(staging);
+        for made in 0..fresh {
+            match new_slot(&self.ctx) {
+                Ok(slot) => slots.push(slot),
+                Err(e) => {
+                    // The slots not made are not counted; those taken go back.
+                    self.staging.lock().map_err(poisoned)?.allocated -= fresh - made;
+                    for slot in slots {
+                        self.return_slot(slot)?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(slots)
     }
 
     fn return_slot(&self, slot: PinnedSlot) -> Result<(), KernelError> {
         self.staging.lock().map_err(poisoned)?.free.push_back(slot);
-        self.slot_returned.notify_one();
+        // Every waiter: one that needs two slots may not be able to go on with one.
+        self.slot_returned.notify_all();
         Ok(())
+    }
+
+    /// The digest of `buf`, its bytes streamed through two pinned slots on the download stream:
+    /// the DMA engine copies the next chunk while the host hashes the last. The same digest as
+    /// hashing a download (the same bytes in the same order, [`DigestStream`]), without a
+    /// pageable copy of the whole buffer first.
+    fn digest_streamed(&self, buf: &DeviceBuffer) -> Result<Digest, KernelError> {
+        let mut hash = DigestStream::new();
+        if buf.len == 0 {
+            return Ok(hash.finish());
+        }
+        let src = self.mem(buf, "digest")?;
+        self.ctx.bind_to_thread().map_err(dev("bind"))?;
+        let slots = self.take_slots(2)?;
+        let n = buf.len;
+        let chunk_len = |i: usize| STAGING_BYTES.min(n - i * STAGING_BYTES);
+        let hashed = (|| {
+            // Earlier copies out of these slots (uploads) must finish before they are written.
+            for slot in &slots {
+                slot.done.synchronize().map_err(dev("staging event"))?;
+            }
+            // Waits for the writes of `buf`; records this read when `_read` drops, after the
+            // last copy is queued.
+            let (base, _read) = src.device_ptr(&self.d2h_stream);
+            let copy = |i: usize| -> Result<(), KernelError> {
+                let slot = &slots[i % 2];
+                // SAFETY: `chunk_len(i) <= slot.len` bytes of page-locked memory that the host is
+                // not reading (its chunk was hashed) and no copy is writing (synchronized).
+                let pinned = unsafe { std::slice::from_raw_parts_mut(slot.ptr, chunk_len(i)) };
+                // SAFETY: `base + i * STAGING_BYTES .. + chunk_len(i)` lies inside `buf`.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(pinned, base + (i * STAGING_BYTES) as u64, self.d2h_stream.cu_stream())
+                }
+                .map_err(dev("device-to-host copy"))?;
+                slot.done.record(&self.d2h_stream).map_err(dev("staging event"))
+            };
+            let chunks = n.div_ceil(STAGING_BYTES);
+            copy(0)?;
+            for i in 0..chunks {
+                if i + 1 < chunks {
+                    copy(i + 1)?;
+                }
+                let slot = &slots[i % 2];
+                slot.done.synchronize().map_err(dev("staging event"))?;
+                // SAFETY: chunk i, copied into the slot (synchronized above).
+                hash.update(unsafe { std::slice::from_raw_parts(slot.ptr, chunk_len(i)) });
+            }
+            Ok(hash.finish())
+        })();
+        for slot in slots {
+            self.return_slot(slot)?;
+        }
+        hashed
     }
 
     fn mem<'a>(&self, buf: &'a DeviceBuffer, what: &str) -> Result<&'a CudaSlice<u8>, KernelError> {
@@ -524,9 +599,7 @@ impl Backend for CudaBackend {
         self.synchronize()
     }
     fn digest(&self, buf: &DeviceBuffer) -> Result<Digest, KernelError> {
-        let mut host = Vec::new();
-        self.download(buf, &mut host)?;
-        Ok(Digest::of(&host))
+        self.digest_streamed(buf)
     }
     fn expand_block_scales(
         &self,

@@ -3,6 +3,7 @@
 //!
 //! - host-to-device: the backend's `upload` (pageable source -> pinned staging -> device) against
 //!   a plain copy from one large pinned buffer;
+//! - a device buffer's digest against XXH3-64 of the same bytes in host memory;
 //! - layout kernels: bytes moved per second against a device-to-device copy of the same bytes;
 //! - the MXFP8 GEMM: TFLOP/s on the dsv41-flash TP 4 shapes.
 
@@ -11,6 +12,7 @@ use std::time::Instant;
 use crate::KernelError;
 use crate::backend::{Backend, BackendWeight, ScaleKind};
 use crate::cuda::CudaBackend;
+use crate::digest::Digest;
 use crate::gemm::MxMatrix;
 use crate::layout;
 use crate::mxfp8::ScaleRule;
@@ -83,6 +85,22 @@ pub fn run(b: &CudaBackend, iters: usize) -> Result<Vec<Figure>, KernelError> {
         baseline: Some(("pinned copy".into(), pinned_gbps)),
     });
     out.push(Figure { name: "H2D pinned copy".into(), value: pinned_gbps, unit: "GB/s", baseline: None });
+    // A device buffer's digest (device -> pinned slots -> XXH3-64, streamed) against hashing the
+    // same bytes where they already lie in host memory.
+    let host_hash = gbps(
+        n,
+        time(b, iters, || {
+            std::hint::black_box(Digest::of(&host));
+            Ok(())
+        })?,
+    );
+    let digest = gbps(n, time(b, iters, || b.digest(&d).map(|_| ()))?);
+    out.push(Figure {
+        name: "digest of a device buffer (D2H through pinned slots, XXH3-64 streamed)".into(),
+        value: digest,
+        unit: "GB/s",
+        baseline: Some(("XXH3-64 of host bytes".into(), host_hash)),
+    });
 
     // Layout kernels on the dsv41-flash TP 1 shapes; yardstick: a device copy of the same bytes.
     let copy_gbps = |bytes: usize| -> Result<f64, KernelError> {

@@ -4,8 +4,9 @@
 //!
 //! [`CudaBackend`] implements [`crate::Backend`] on one GPU: buffers live in device memory,
 //! uploads go through pinned staging memory, and every layout step runs as a CUDA C kernel
-//! (`kernels.cu`, compiled at run time with NVRTC, once per backend). Digests and host views are
-//! computed on device-to-host copies with the CPU digest code, so they are the CPU definition.
+//! (`kernels.cu`, compiled at run time with NVRTC, once per backend). Digests (streamed through
+//! pinned memory) and host views are computed on device-to-host copies with the CPU digest
+//! code, so they are the CPU definition.
 
 mod backend;
 pub mod bench;
