@@ -78,6 +78,9 @@ impl ProbeSpec {
 #[derive(Default)]
 pub struct ReferenceCache {
     entries: std::collections::VecDeque<(ReferenceKey, std::sync::Arc<Vec<ProbeOutput>>)>,
+    /// The host buffers of the last reference computed, for the next one to reuse (taken while
+    /// one computes: a concurrent one allocates its own).
+    kept_buffers: Option<ReferenceLayer>,
     /// Probes answered from the cache, and computed afresh (for reports and tests).
     pub hits: u64,
     pub misses: u64,
@@ -103,6 +106,19 @@ impl ReferenceCache {
 
     fn contains(&self, key: &ReferenceKey) -> bool {
         self.entries.iter().any(|(k, _)| k == key)
+    }
+
+    /// A scratch for computing a reference, on the kept buffers when no other reference holds them.
+    fn scratch<B: Backend>(cache: Option<&std::sync::Mutex<Self>>) -> ReferenceScratch<B> {
+        let kept = cache.and_then(|c| c.lock().unwrap_or_else(|p| p.into_inner()).kept_buffers.take());
+        ReferenceScratch::reusing(kept.unwrap_or_default())
+    }
+
+    /// Keeps `scratch`'s buffers for the next reference.
+    fn keep<B: Backend>(cache: Option<&std::sync::Mutex<Self>>, scratch: ReferenceScratch<B>) {
+        if let Some(c) = cache {
+            c.lock().unwrap_or_else(|p| p.into_inner()).kept_buffers = Some(scratch.into_kept());
+        }
     }
 
     fn put(&mut self, key: ReferenceKey, outputs: Vec<ProbeOutput>) {
@@ -206,7 +222,10 @@ pub fn probe_rank_with<B: Backend + Sync>(
         _ => None,
     };
     let mut computed = Vec::new();
-    let mut scratch = ReferenceScratch::default();
+    let mut scratch = match (check, &kept) {
+        (true, None) => ReferenceCache::scratch(cache),
+        _ => ReferenceScratch::default(),
+    };
     let mut layers = Vec::new();
     let mut y_partial = Vec::new();
     let (mut kernel_s, mut reference_s) = (0.0, 0.0);
@@ -242,6 +261,9 @@ pub fn probe_rank_with<B: Backend + Sync>(
             });
         }
         y_partial.extend_from_slice(&kernel.y_partial);
+    }
+    if let (true, None) = (check, &kept) {
+        ReferenceCache::keep(cache, scratch);
     }
     if let (Some(c), true, None) = (cache, check, &kept)
         && computed.len() == weights.layers.len()
@@ -303,10 +325,11 @@ pub fn prepare_reference<B: Backend + Sync>(
     let g = &source.config().geometry;
     let shape = shape_of(g, shard);
     let inputs = spec.inputs(g).map_err(|e| LoadError::Config(format!("probe inputs: {e}")))?;
-    let mut scratch = ReferenceScratch::default();
-    let outputs = (0..g.layers)
-        .map(|layer| reference_output(loader, source, &shape, &inputs, layer, rule, &mut scratch))
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut scratch = ReferenceCache::scratch(Some(cache));
+    let outputs: Result<Vec<_>, _> =
+        (0..g.layers).map(|layer| reference_output(loader, source, &shape, &inputs, layer, rule, &mut scratch)).collect();
+    ReferenceCache::keep(Some(cache), scratch);
+    let outputs = outputs?;
     cache.lock().unwrap_or_else(|p| p.into_inner()).put(key, outputs);
     Ok(t.elapsed().as_secs_f64())
 }

@@ -78,7 +78,26 @@ pub struct ReferenceScratch<B: Backend> {
 
 impl<B: Backend> Default for ReferenceScratch<B> {
     fn default() -> Self {
-        Self { scratch: LayerScratch::default(), layer: ReferenceLayer::default() }
+        Self::reusing(ReferenceLayer::default())
+    }
+}
+
+impl<B: Backend> ReferenceScratch<B> {
+    /// A scratch that copies out into `kept`'s buffers (see [`ReferenceScratch::into_kept`]).
+    pub fn reusing(kept: ReferenceLayer) -> Self {
+        Self { scratch: LayerScratch::default(), layer: kept }
+    }
+
+    /// The host buffers a later reference reuses ([`ReferenceScratch::reusing`]): a weight slice
+    /// copied out of the checkpoint (some columns of whole rows) then lands in memory already
+    /// faulted in rather than in fresh pages, which cost more than the copy where the kernel
+    /// zeroes each one on first touch. Mapped bytes are let go (no checkpoint mapping is held).
+    pub fn into_kept(self) -> ReferenceLayer {
+        let mut layer = self.layer;
+        for (w, _) in [&mut layer.wq_b, &mut layer.wo_a, &mut layer.wo_b] {
+            *w = ReferenceBytes::Owned(w.take_owned());
+        }
+        layer
     }
 }
 

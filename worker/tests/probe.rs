@@ -274,6 +274,43 @@ fn a_reference_read_in_place_from_the_checkpoint_equals_the_generated_one() {
     }
 }
 
+/// The host buffers a reference leaves for the next (kept by the cache, so that a copied-out
+/// slice lands in memory already faulted in) hold no mapping of the checkpoint but keep the
+/// copied slice's memory; a reference of another version computed on them is, bit for bit,
+/// the one computed afresh.
+#[test]
+fn a_reference_on_the_buffers_another_left_is_the_fresh_one() {
+    use orchestrator_worker::probe::{ReferenceCache, prepare_reference, probe_rank_with};
+    let tmp = tempfile::tempdir().unwrap();
+    let config = ModelConfig::from_preset(Preset::Tiny, Some(2), false).unwrap();
+    let open = |name: &str, seed| {
+        let dir = tmp.path().join(name);
+        write_checkpoint(&dir, &SynthOptions { config: config.clone(), seed, max_shard_bytes: 1 << 30, preset_name: None }).unwrap();
+        LoadSource::open_checkpoint(&dir).unwrap()
+    };
+    let (a, b) = (open("a", 41), open("b", 42));
+    // TP 2: wo_b is a slice of some columns, copied out; wq_b and wo_a are read in place.
+    let loader = RankLoader::new(&CpuBackend, a.config(), 2, 1, ScaleRule::Rceil).unwrap();
+    let mut scratch = orchestrator_worker::reference::ReferenceScratch::default();
+    assert!(loader.reference_layer_into(&a, 0, &mut scratch).unwrap().wq_b.0.is_mapped());
+    let kept = scratch.into_kept();
+    assert!([&kept.wq_b, &kept.wo_a, &kept.wo_b].iter().all(|(w, _)| !w.is_mapped()), "no mapping is kept");
+    assert!(!kept.wo_b.0.as_slice().is_empty(), "the copied-out slice's buffer is kept");
+    let spec = ProbeSpec { tokens: 2, latents: 16, seed: 7 };
+    let cache = std::sync::Mutex::new(ReferenceCache::default());
+    assert!(prepare_reference(&loader, &a, spec, &cache).unwrap() > 0.0);
+    // B's reference on the buffers A's left.
+    assert!(prepare_reference(&loader, &b, spec, &cache).unwrap() > 0.0);
+    let w = loader.load(&b).unwrap();
+    let prepared = probe_rank_with(&loader, &w, &b, spec, ScaleRule::Rceil, true, Some(&cache)).unwrap();
+    assert_eq!(cache.lock().unwrap().hits, 1);
+    let fresh = probe_rank_with(&loader, &w, &b, spec, ScaleRule::Rceil, true, None).unwrap();
+    assert!(prepared.ok && fresh.ok);
+    assert_eq!(prepared.y_partial_digest, fresh.y_partial_digest);
+    assert_eq!(prepared.z_max_abs_err.to_bits(), fresh.z_max_abs_err.to_bits());
+    assert_eq!(prepared.y_max_abs_err.to_bits(), fresh.y_max_abs_err.to_bits());
+}
+
 /// `load_unless` (the spare buffers a rank prepares after its launch): the same weights as a
 /// load while nothing cancels it, and nothing once something does, asked before every layer.
 #[test]
