@@ -675,9 +675,30 @@ impl Cluster {
     }
 
     async fn reports_with(&self, group: Option<u32>, shadow: bool, kept_round_trip: bool) -> RankResults<pb::RankReport> {
+        self.reports_of(group, shadow, kept_round_trip, |_| None).await
+    }
+
+    /// Reports on what replica `dp` staged, whose stage deferred its round trip: each rank
+    /// adopts the verdict of the rank `proof` names for its tp_rank when its own digests equal
+    /// that rank's (and runs its own when they differ or none is named).
+    pub async fn staged_reports_identical_to(
+        &self,
+        dp: u32,
+        proof: impl Fn(u32) -> Option<pb::RoundTripProof>,
+    ) -> RankResults<pb::RankReport> {
+        self.reports_of(Some(dp), true, false, proof).await
+    }
+
+    async fn reports_of(
+        &self,
+        group: Option<u32>,
+        shadow: bool,
+        kept_round_trip: bool,
+        proof: impl Fn(u32) -> Option<pb::RoundTripProof>,
+    ) -> RankResults<pb::RankReport> {
         self.fan_out_in(group, |w, mut client| {
             let req = orchestrator_worker::auth::request(
-                pb::ReportRequest { shadow, brief: false, kept_round_trip },
+                pb::ReportRequest { shadow, brief: false, kept_round_trip, identical_to: proof(w.tp) },
                 REPORT_DEADLINE,
                 Some(&self.token),
             );
@@ -688,20 +709,21 @@ impl Cluster {
     }
 
     /// Stages `source` on every rank of replica `dp` (shadow buffers; the active weights keep
-    /// serving): seconds and the staged version, by worker.
-    /// Asks every rank of replica `dp` to stage `source` beside its active weights; with
-    /// `reference`, each rank also prepares that probe's reference for the staged version.
+    /// serving): seconds and the staged version, by worker. With `reference`, each rank also
+    /// prepares that probe's reference for the staged version; with `defer_round_trip`, it runs
+    /// no round trip (see [`Cluster::staged_reports_identical_to`]).
     pub async fn stage(
         &self,
         dp: u32,
         source: &pb::LoadSource,
         reference: Option<orchestrator_worker::probe::ProbeSpec>,
+        defer_round_trip: bool,
     ) -> RankResults<(f64, String)> {
         let reference = reference.map(|p| pb::ReferenceProbe { tokens: p.tokens as u32, latents: p.latents as u32, seed: p.seed });
         self.fan_out_in(Some(dp), |w, mut client| {
             let label = w.label();
             let req = orchestrator_worker::auth::request(
-                pb::StageRequest { source: Some(source.clone()), reference },
+                pb::StageRequest { source: Some(source.clone()), reference, defer_round_trip },
                 LOAD_DEADLINE,
                 Some(&self.token),
             );

@@ -36,6 +36,10 @@ pub struct RankRow {
     pub kernel_rank_digest: String,
     pub round_trip_ok: bool,
     pub round_trip_failures: Vec<String>,
+    /// The round trip's verdict is that of this verified rank (`dp0/tp1`), whose kernel and
+    /// source bytes this rank's equal by digest (a later replica of an update); empty: run here.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub round_trip_identical_to: String,
     pub probe: Option<ProbeCell>,
     pub load_seconds: f64,
     /// How the rank's active weights were loaded: `real`, `dummy` or `stage` (empty: unknown).
@@ -144,6 +148,7 @@ pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: String) -> RankRow {
         kernel_rank_digest: String::new(),
         round_trip_ok: false,
         round_trip_failures: Vec::new(),
+        round_trip_identical_to: String::new(),
         probe: None,
         load_seconds: 0.0,
         load_path: String::new(),
@@ -176,6 +181,7 @@ pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> 
         kernel_rank_digest: r.kernel_rank_digest.clone(),
         round_trip_ok: r.round_trip_ok,
         round_trip_failures: r.round_trip_failures.clone(),
+        round_trip_identical_to: r.round_trip_identical_to.clone(),
         probe: probe.map(ProbeCell::from),
         load_seconds: r.load_seconds,
         load_path: r.load_path.clone(),
@@ -552,11 +558,13 @@ impl ConsistencyReport {
                 r.checkpoint_version,
                 r.kernel_rank_digest,
                 if r.failure.is_some() {
-                    "-"
-                } else if r.round_trip_ok {
-                    "ok"
+                    "-".to_string()
+                } else if !r.round_trip_ok {
+                    "FAILED".to_string()
+                } else if r.round_trip_identical_to.is_empty() {
+                    "ok".to_string()
                 } else {
-                    "FAILED"
+                    format!("= {}", r.round_trip_identical_to)
                 },
                 probe,
                 r.load_seconds,
@@ -705,6 +713,12 @@ mod tests {
         let passing = evaluate(2, 2, "t".into(), rows(true), None, BTreeMap::new(), false);
         assert!(passing.ok, "{:?}", failed_rules(&passing));
         assert!(passing.render().contains("= dp0 (identical)"));
+        // A round trip adopted by identity says whose it is, in the round-trip column.
+        let mut adopted = rows(true);
+        adopted[3].round_trip_identical_to = "dp0/tp1".into();
+        let text = evaluate(2, 2, "t".into(), adopted, None, BTreeMap::new(), false).render();
+        let line = text.lines().find(|l| l.starts_with("1   1 ")).expect("dp1/tp1's row");
+        assert!(line.contains(" = dp0/tp1 "), "{text}");
         let failing = evaluate(2, 2, "t".into(), rows(false), None, BTreeMap::new(), false);
         let rule = failing.rules.iter().find(|r| r.id == "probe_tolerance").expect("the tolerance rule");
         let named = &rule.findings;

@@ -179,8 +179,9 @@ impl Session {
         let names = |dps: &[u32]| dps.iter().map(|dp| format!("dp{dp}")).collect::<Vec<_>>().join(", ");
         if !swapped.is_empty() {
             report.notes.push(format!(
-                "replicas {}: each rank's round trip is the one its stage ran on the weights it committed (nothing writes them since; \
-                 a rank that holds other weights ran it again)",
+                "replicas {}: each rank's round trip is the one its stage ran on the weights it committed, or, on a later replica \
+                 of the version, the verdict of the verified rank whose kernel and source digests its own equal (`= dpN/tpM`; \
+                 nothing writes the weights since; a rank that holds other weights ran it again)",
                 names(&swapped)
             ));
         }

@@ -232,7 +232,7 @@ async fn brief_versions(cluster: &Cluster, dp: u32, id: u32) -> Option<(String, 
         .fan_out_in(Some(dp), |w, mut client| {
             let wanted = w.id == id;
             let req = orchestrator_worker::auth::request(
-                pb::ReportRequest { shadow: false, brief: true, kept_round_trip: false },
+                pb::ReportRequest { shadow: false, brief: true, kept_round_trip: false, identical_to: None },
                 limits::COMMIT_CALL_DEADLINE,
                 Some(&cluster.token),
             );
@@ -609,8 +609,9 @@ impl Roll<'_> {
         let permits = tokio::sync::Semaphore::new(limit);
         futures_util::future::join_all(replicas.into_iter().map(|(dp, tx)| {
             let permits = &permits;
-            // The first batch prepares the reference while it stages (later ones are verified
-            // against what the first proved).
+            // The first batch prepares the reference and runs the round trips while it stages;
+            // later ones are verified as byte-identical to what the first proved, and adopt its
+            // round trips' verdicts rank by rank (see `verify_staged`).
             let first = first_batch.contains(&dp);
             let reference = first.then_some(self.probe);
             let mut proof = proof.clone();
@@ -623,7 +624,7 @@ impl Roll<'_> {
                 // Staged and verified beside its active weights, the replica keeps serving
                 // them; it leaves rotation only to be swapped.
                 self.rotation.take_for_update(dp, false);
-                let staged = stage_replica(self.cluster, dp, source, &self.new_version, reference).await;
+                let staged = stage_replica(self.cluster, dp, source, &self.new_version, reference, !first).await;
                 // The limit bounds staging; verifying (or waiting to) holds no permit.
                 drop(permit);
                 let outcome = match staged {
@@ -958,9 +959,10 @@ async fn stage_replica(
     source: &pb::LoadSource,
     new_version: &str,
     reference: Option<ProbeSpec>,
+    defer_round_trip: bool,
 ) -> Result<f64, VerifyFailure> {
     let t = Instant::now();
-    let staged = cluster.stage(dp, source, reference).await;
+    let staged = cluster.stage(dp, source, reference, defer_round_trip).await;
     for (id, r) in &staged {
         let (_, version) = r.as_ref().map_err(|e| unreachable_rank(e))?;
         if version != new_version {
@@ -990,7 +992,19 @@ async fn verify_staged(
     let skip_reference = verified.is_some();
     let t = Instant::now();
     let reports = async {
-        let r = cluster.reports_in(Some(dp), true).await;
+        let r = match verified {
+            None => cluster.reports_in(Some(dp), true).await,
+            Some(v) => {
+                let proof = |tp: u32| {
+                    v.digests.get(&tp).map(|(kernel, source)| pb::RoundTripProof {
+                        kernel_rank_digest: kernel.clone(),
+                        source_rank_digest: source.clone(),
+                        rank: format!("dp{}/tp{tp}", v.dp),
+                    })
+                };
+                cluster.staged_reports_identical_to(dp, proof).await
+            }
+        };
         (r, t.elapsed().as_secs_f64())
     };
     let probes = async {
@@ -1056,7 +1070,10 @@ async fn verify_staged(
     let y = ys.first().cloned().unwrap_or_default();
     let how = match verified {
         None => format!("verified against the reference prepared while staging, in rotation (round trips, probes, y {y})"),
-        Some(v) => format!("verified as byte-identical to dp{}, in rotation (round trips, digests of every rank, y {y})", v.dp),
+        Some(v) => format!(
+            "verified as byte-identical to dp{}, in rotation (digests of every rank, so its round trips' verdicts, and y {y})",
+            v.dp
+        ),
     };
     Ok(Staged {
         detail: format!("staged in {stage_s:.2} s, {how} in {seconds:.2} s (reports {report_s:.2} s, probe {probe_s:.2} s, at once)"),

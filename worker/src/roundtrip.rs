@@ -22,6 +22,10 @@ pub struct RoundTrip {
     pub checked: usize,
     /// One line per mismatch: tensor and what differed.
     pub failures: Vec<String>,
+    /// Not run here: the verdict of the verified rank (`dp0/tp1`) whose kernel and source bytes
+    /// this rank's equal, by digest (a later replica of a version, see the worker's reports).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub identical_to: Option<String>,
 }
 
 /// Runs the round trip for every layer of a rank against the source it was loaded from, the

@@ -101,11 +101,30 @@ struct Staged {
     source: Arc<LoadSource>,
     /// Its round trip, run by the stage on the background pool once the weights were in place
     /// (nothing writes them between the stage and the commit, so the verdict of a report on
-    /// them is that one).
-    round_trip: crate::roundtrip::RoundTrip,
+    /// them is that one). `None`: the stage deferred it ([`StageOptions::defer_round_trip`]) and
+    /// no report has given it yet.
+    round_trip: Option<crate::roundtrip::RoundTrip>,
     /// `stage` (fresh buffers) or `restage` (kept ones), and how long it took.
     path: &'static str,
     seconds: f64,
+}
+
+/// What a stage does besides loading the new version beside the active one.
+#[derive(Clone, Copy, Debug, Default)]
+struct StageOptions {
+    /// Also prepare this probe's reference for the staged version (beside serving, like the load).
+    reference: Option<ProbeSpec>,
+    /// Run no round trip: the replica is verified as byte-identical to one that ran it, whose
+    /// verdict its verification report adopts (see [`adopt_round_trip`]).
+    defer_round_trip: bool,
+}
+
+/// The verdict of a deferred round trip, taken from the verified rank `proof` names when the
+/// staged weights `w` hold the same kernel and source bytes (a round trip reads those alone);
+/// `None` when they differ (the rank then runs its own).
+fn adopt_round_trip(w: &RankWeights<AnyBackend>, proof: &pb::RoundTripProof) -> Option<crate::roundtrip::RoundTrip> {
+    let same = w.kernel_rank_digest().hex() == proof.kernel_rank_digest && w.source_rank_digest().hex() == proof.source_rank_digest;
+    same.then(|| crate::roundtrip::RoundTrip { ok: true, identical_to: Some(proof.rank.clone()), ..Default::default() })
 }
 
 /// One rank's passes of a probe, before its all-reduce.
@@ -415,19 +434,18 @@ impl WorkerService {
         &self,
         reload_from: Option<LoadSource>,
         shadow: bool,
-        reference: Option<ProbeSpec>,
+        stage: StageOptions,
     ) -> Result<ProgressStream, Status> {
         let service = self.clone();
-        tokio::task::spawn_blocking(move || service.load_stream(reload_from, shadow, reference))
+        tokio::task::spawn_blocking(move || service.load_stream(reload_from, shadow, stage))
             .await
             .map_err(|e| Status::internal(e.to_string()))?
     }
 
     /// Runs a load or reload on a blocking thread, streaming per-layer progress.
     /// `shadow`: load `reload_from` into fresh shadow buffers beside the active weights
-    /// (a staged update) instead of into the active ones; with `reference`, the stage then also
-    /// prepares that probe's reference for the staged version (beside serving, like the load).
-    fn load_stream(&self, reload_from: Option<LoadSource>, shadow: bool, reference: Option<ProbeSpec>) -> Result<ProgressStream, Status> {
+    /// (a staged update) instead of into the active ones, doing what `stage` asks besides.
+    fn load_stream(&self, reload_from: Option<LoadSource>, shadow: bool, stage: StageOptions) -> Result<ProgressStream, Status> {
         let ((source, tp, rank, dp_rank, rule, fault, total, dump_dir, epoch), spare) = {
             let mut st = lock(&self.state);
             if shadow {
@@ -507,7 +525,7 @@ impl WorkerService {
                         None => loader.load_with_progress(&source, &progress),
                     })
                     .map_err(|e| Status::internal(format!("stage: {e:#}")))?;
-                    if let Some(spec) = reference {
+                    if let Some(spec) = stage.reference {
                         reference_s = crate::background::run(|| crate::probe::prepare_reference(&loader, &source, spec, &reference_cache))
                             .map_err(|e| Status::internal(format!("stage: the reference of probe {spec}: {e:#}")))?;
                     }
@@ -518,6 +536,9 @@ impl WorkerService {
                     }
                     // The round trip of the weights as they will serve, while the replica still
                     // serves the active ones (verification out of rotation only reads it).
+                    if stage.defer_round_trip {
+                        return Ok((w, None));
+                    }
                     let t = Instant::now();
                     let rt = crate::background::run(|| check_rank(backend, &w, &source));
                     round_trip_s = t.elapsed().as_secs_f64();
@@ -553,6 +574,9 @@ impl WorkerService {
             if reference_s > 0.0 {
                 tracing::info!(tp_rank = rank, replica = dp_rank, seconds = reference_s, "prepared the staged version's reference");
             }
+            if round_trip_s > 0.0 {
+                tracing::info!(tp_rank = rank, replica = dp_rank, seconds = round_trip_s, "ran the staged version's round trip");
+            }
             match result {
                 Ok((w, round_trip)) => {
                     let version = source.version();
@@ -574,8 +598,7 @@ impl WorkerService {
                             let _ = tx.blocking_send(Err(Status::aborted("stage: superseded by a later stage or abort")));
                             return;
                         }
-                        st.shadow =
-                            Some(Staged { weights: Arc::new(w), source, round_trip: round_trip.unwrap_or_default(), path, seconds });
+                        st.shadow = Some(Staged { weights: Arc::new(w), source, round_trip, path, seconds });
                     } else {
                         st.weights = Some(Arc::new(w));
                         st.committed_round_trip = None;
@@ -660,7 +683,7 @@ impl Worker for WorkerService {
 
     async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<Self::LoadStream>, Status> {
         self.not_ready().await;
-        self.load_stream_blocking(None, false, None).await.map(Response::new)
+        self.load_stream_blocking(None, false, StageOptions::default()).await.map(Response::new)
     }
 
     type ReloadStream = ProgressStream;
@@ -694,7 +717,7 @@ impl Worker for WorkerService {
             }
         };
         self.not_ready().await;
-        self.load_stream_blocking(source, false, None).await.map(Response::new)
+        self.load_stream_blocking(source, false, StageOptions::default()).await.map(Response::new)
     }
 
     type StageStream = ProgressStream;
@@ -716,7 +739,8 @@ impl Worker for WorkerService {
         let source = tokio::task::spawn_blocking(move || crate::background::run(|| source_from(Some(&s), &roots)))
             .await
             .map_err(|e| Status::internal(e.to_string()))??;
-        self.load_stream_blocking(Some(source), true, reference).await.map(Response::new)
+        let options = StageOptions { reference, defer_round_trip: r.defer_round_trip };
+        self.load_stream_blocking(Some(source), true, options).await.map(Response::new)
     }
 
     async fn commit(&self, request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
@@ -753,7 +777,7 @@ impl Worker for WorkerService {
             };
             st.computed = None;
             w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
-            st.committed_round_trip = Some((w.generation, round_trip));
+            st.committed_round_trip = round_trip.map(|rt| (w.generation, rt));
             let replaced = st.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
             st.previous = st.weights.take().zip(replaced);
             st.weights = Some(Arc::new(w));
@@ -829,13 +853,13 @@ impl Worker for WorkerService {
     }
 
     async fn report(&self, request: Request<pb::ReportRequest>) -> Result<Response<pb::RankReport>, Status> {
-        let pb::ReportRequest { shadow, brief, kept_round_trip } = request.into_inner();
+        let pb::ReportRequest { shadow, brief, kept_round_trip, identical_to } = request.into_inner();
         let state = self.state.clone();
         let host = self.host.clone();
         let backend = self.backend.clone();
         tokio::task::spawn_blocking(move || {
             let work = move || {
-                let st = lock(&state);
+                let mut st = lock(&state);
                 let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
                 if brief {
                     let (checkpoint_version, staged_version) = versions_of(&st);
@@ -858,8 +882,15 @@ impl Worker for WorkerService {
                 // What the report says of the rank, as it is now; the round trip, where one runs,
                 // reads the weights without the state lock (probes go on meanwhile).
                 let (plan, w, source) = snapshot(&st, shadow)?;
+                // A stage that deferred its round trip takes the verdict of the verified rank
+                // whose bytes its own equal, and keeps it for the commit.
+                if let (true, Some(staged), Some(proof)) = (shadow, st.shadow.as_mut(), identical_to.as_ref())
+                    && staged.round_trip.is_none()
+                {
+                    staged.round_trip = adopt_round_trip(&w, proof);
+                }
                 let kept = match (&st.shadow, shadow, &st.committed_round_trip) {
-                    (Some(staged), true, _) => Some(staged.round_trip.clone()),
+                    (Some(staged), true, _) => staged.round_trip.clone(),
                     (_, false, Some((generation, rt))) if kept_round_trip && *generation == w.generation => Some(rt.clone()),
                     _ => None,
                 };
@@ -870,7 +901,18 @@ impl Worker for WorkerService {
                     _ => st.load_path,
                 };
                 drop(st);
-                let rt = kept.unwrap_or_else(|| check_rank(&*backend, &w, &source));
+                let rt = kept.unwrap_or_else(|| {
+                    let rt = check_rank(&*backend, &w, &source);
+                    // A deferred round trip, once run, stands for the stage as the stage's own would.
+                    let mut st = lock(&state);
+                    if let (true, Some(staged)) = (shadow, st.shadow.as_mut())
+                        && Arc::ptr_eq(&staged.weights, &w)
+                        && staged.round_trip.is_none()
+                    {
+                        staged.round_trip = Some(rt.clone());
+                    }
+                    rt
+                });
                 let id = &w.identity;
                 let canonical = id.canonical_text();
                 let geometry_text: String = canonical.lines().filter(|l| !l.starts_with("rank=")).map(|l| format!("{l}\n")).collect();
@@ -910,6 +952,7 @@ impl Worker for WorkerService {
                         .collect(),
                     round_trip_ok: rt.ok,
                     round_trip_failures: rt.failures,
+                    round_trip_identical_to: rt.identical_to.unwrap_or_default(),
                     load_seconds,
                     generation: w.generation,
                     staged_version,
@@ -1297,7 +1340,7 @@ mod tests {
     }
 
     async fn round_trip_ok(svc: &WorkerService, kept_round_trip: bool) -> bool {
-        let req = Request::new(pb::ReportRequest { shadow: false, brief: false, kept_round_trip });
+        let req = Request::new(pb::ReportRequest { kept_round_trip, ..Default::default() });
         svc.report(req).await.unwrap().into_inner().round_trip_ok
     }
 
@@ -1318,7 +1361,65 @@ mod tests {
     }
 
     async fn stage(svc: &WorkerService, source: pb::LoadSource) {
-        drain(svc.stage(Request::new(pb::StageRequest { source: Some(source), reference: None })).await).await;
+        stage_with(svc, source, false).await
+    }
+
+    async fn stage_with(svc: &WorkerService, source: pb::LoadSource, defer_round_trip: bool) {
+        drain(svc.stage(Request::new(pb::StageRequest { source: Some(source), reference: None, defer_round_trip })).await).await;
+    }
+
+    /// A later replica's stage defers its round trip: its verification report adopts the
+    /// verdict of the verified rank whose digests its own equal, says whose it is, and keeps it
+    /// for the commit. A proof of other bytes is not adopted: the rank runs its own round trip
+    /// (which here catches staged weights damaged in memory).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_deferred_round_trip_is_adopted_only_from_a_rank_of_the_same_bytes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, src) = loaded_worker(tmp.path()).await;
+        let staged_report = async |identical_to: Option<pb::RoundTripProof>| {
+            let req = pb::ReportRequest { shadow: true, identical_to, ..Default::default() };
+            svc.report(Request::new(req)).await.unwrap().into_inner()
+        };
+        // The first replica's stage runs its round trip: what it reports is a later one's proof.
+        stage(&svc, src("B")).await;
+        let first = staged_report(None).await;
+        assert!(first.round_trip_ok && first.round_trip_identical_to.is_empty());
+        let proof = pb::RoundTripProof {
+            kernel_rank_digest: first.kernel_rank_digest.clone(),
+            source_rank_digest: first.source_rank_digest.clone(),
+            rank: "dp0/tp0".into(),
+        };
+        // The same bytes: adopted, and kept for the commit.
+        stage_with(&svc, src("B"), true).await;
+        assert!(lock(&svc.state).shadow.as_ref().unwrap().round_trip.is_none(), "the stage ran no round trip");
+        let adopted = staged_report(Some(proof.clone())).await;
+        assert!(adopted.round_trip_ok);
+        assert_eq!(adopted.round_trip_identical_to, "dp0/tp0");
+        svc.commit(Request::new(pb::CommitRequest { expected_version: String::new() })).await.unwrap();
+        let req = pb::ReportRequest { kept_round_trip: true, ..Default::default() };
+        let committed = svc.report(Request::new(req)).await.unwrap().into_inner();
+        assert!(committed.round_trip_ok);
+        assert_eq!(committed.round_trip_identical_to, "dp0/tp0");
+        // A proof of other bytes (version A's): the rank runs its own round trip, which passes.
+        stage_with(&svc, src("A"), true).await;
+        let own = staged_report(Some(proof.clone())).await;
+        assert!(own.round_trip_ok && own.round_trip_identical_to.is_empty());
+        // Staged B damaged in memory (its digests taken again): not the proof's bytes, so the
+        // rank's own round trip runs, and fails.
+        stage_with(&svc, src("B"), true).await;
+        {
+            let mut st = lock(&svc.state);
+            let w = Arc::get_mut(&mut st.shadow.as_mut().unwrap().weights).unwrap();
+            crate::faults::inject_on(&*svc.backend, w, Fault::SkipQPermutation).unwrap();
+            w.refresh_kernel_digests(&*svc.backend).unwrap();
+        }
+        let damaged = staged_report(Some(proof)).await;
+        assert!(!damaged.round_trip_ok, "{:?}", damaged.round_trip_failures);
+        assert!(damaged.round_trip_identical_to.is_empty());
+        assert!(
+            lock(&svc.state).shadow.as_ref().unwrap().round_trip.as_ref().is_some_and(|rt| !rt.ok),
+            "the stage keeps the verdict it ran"
+        );
     }
 
     /// A report asked for the kept round trip answers with the one the stage ran on the weights

@@ -275,7 +275,8 @@ struct Cluster {
 }
 
 impl Cluster {
-    fn launch(args: &[String]) -> anyhow::Result<Self> {
+    /// `log`: where the launch's log (its workers' included) goes once it serves.
+    fn launch(args: &[String], log: &Path) -> anyhow::Result<Self> {
         let exe = std::env::current_exe()?;
         let mut child = Command::new(exe).arg("launch").args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
         // The launch's own report goes to stdout: drained, so that it never blocks on a full pipe.
@@ -294,7 +295,18 @@ impl Cluster {
                 _ => anyhow::bail!("the launch ended before serving:\n{}", seen.join("\n")),
             }
         };
-        std::thread::spawn(move || for _ in lines {});
+        let mut file = std::io::BufWriter::new(
+            std::fs::File::create(log).with_context(|| format!("creating the served launch's log {}", log.display()))?,
+        );
+        std::thread::spawn(move || {
+            use std::io::Write;
+            for line in seen.into_iter().map(Ok).chain(lines) {
+                let Ok(line) = line else { break };
+                if writeln!(file, "{line}").and_then(|()| file.flush()).is_err() {
+                    break;
+                }
+            }
+        });
         let (url, token) = announced.split_once(" --token-file ").context("the serving line")?;
         Ok(Self { child, url: url.to_string(), token: PathBuf::from(token) })
     }
@@ -347,8 +359,10 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
     let kept = a.keep_staging_buffers.then(|| "--keep-staging-buffers".to_string());
     let served: Vec<String> = std::iter::once("--serve".to_string()).chain(launch_args.iter().cloned()).chain(kept).collect();
     let started = Instant::now();
-    let cluster = Cluster::launch(&served)?;
+    let log = a.dir.join("served-launch.log");
+    let cluster = Cluster::launch(&served, &log)?;
     let launch_s = started.elapsed().as_secs_f64();
+    eprintln!("the served launch's log (its workers' included): {}", log.display());
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = runtime.block_on(async {
         let token = orchestrator_worker::auth::Token::read(&cluster.token)?;
