@@ -20,6 +20,9 @@ class RankRow:
     kernel_rank_digest: str
     layout_identity: str
     round_trip_ok: bool
+    # Empty when the rank ran its round trip; else the verified rank ("dp0/tp1") whose verdict
+    # it adopted, its kernel and source digests being equal (a later replica of an update).
+    round_trip_identical_to: str
     load_seconds: float
     load_path: str
     verdict: str
@@ -43,6 +46,7 @@ class RankRow:
             kernel_rank_digest=d.get("kernel_rank_digest", ""),
             layout_identity=d.get("layout_identity", ""),
             round_trip_ok=bool(d.get("round_trip_ok", False)),
+            round_trip_identical_to=d.get("round_trip_identical_to", ""),
             load_seconds=float(d.get("load_seconds", 0.0)),
             load_path=d.get("load_path", ""),
             verdict=d.get("verdict", ""),

@@ -42,6 +42,9 @@ def test_report_update_probe_and_shutdown(checkpoints, served_factory):
     assert outcome.versions == {0: outcome.new_version, 1: outcome.new_version}
     assert outcome.report.ok and outcome.report.versions == outcome.versions
     assert any(s.startswith("replica dp1:") and "verified as byte-identical to dp0" in s for s in outcome.steps), outcome.steps
+    # dp1's ranks adopted dp0's round-trip verdicts by their digests; dp0's ran their own.
+    assert {r.label: r.round_trip_identical_to for r in outcome.report.ranks} == {
+        "dp0/tp0": "", "dp0/tp1": "", "dp1/tp0": "dp0/tp0", "dp1/tp1": "dp0/tp1"}, outcome.text
 
     load = client.probe(rate=5, duration=1)
     assert (load.ok, load.served, load.failed) == (True, 5, 0), load
