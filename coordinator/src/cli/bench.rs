@@ -129,6 +129,108 @@ impl CpuUse {
     }
 }
 
+/// CPU time of one process so far, in seconds: all its threads (`/proc/PID/stat`'s user and
+/// system time, threads that ended included), and its background pool's (the `background-*`
+/// threads that stage, prepare references, run round trips and the staged verification passes;
+/// each one's `schedstat`, in nanoseconds: they live as long as the process).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct ProcessCpu {
+    all: f64,
+    background: f64,
+}
+
+impl ProcessCpu {
+    /// `None` where `/proc` does not have the process (it ended, or this is not Linux).
+    fn of(pid: u32) -> Option<Self> {
+        let all = Self::parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)?;
+        let mut background = 0.0;
+        for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten() {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            if comm.starts_with("background-") {
+                let sched = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
+                background += sched.split_whitespace().next().and_then(|ns| ns.parse::<f64>().ok()).unwrap_or(0.0) / 1e9;
+            }
+        }
+        Some(Self { all, background })
+    }
+
+    /// User plus system seconds from a `/proc/PID/stat` line (its command name, in parentheses,
+    /// may hold spaces and parentheses: the fields are counted after the last `)`).
+    fn parse_stat(stat: &str) -> Option<f64> {
+        let rest: Vec<&str> = stat.get(stat.rfind(')')? + 1..)?.split_whitespace().collect();
+        // Fields 14 and 15 of the line; `rest` starts at field 3.
+        let (utime, stime): (u64, u64) = (rest.get(11)?.parse().ok()?, rest.get(12)?.parse().ok()?);
+        // SAFETY: sysconf reads a constant of the system.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        (hz > 0).then(|| (utime + stime) as f64 / hz as f64)
+    }
+}
+
+/// Where the machine's CPU went during an update, by process (core-seconds).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct CpuByProcess {
+    /// The ranks' background pools: staging, references, round trips, the staged verification
+    /// passes (below serving).
+    pub ranks_background_s: f64,
+    /// The ranks' other threads: routed probes, the probes after the swaps, reports, RPCs.
+    pub ranks_serving_s: f64,
+    /// The coordinator (the served launch's process).
+    pub coordinator_s: f64,
+    /// This bench: the probe client.
+    pub client_s: f64,
+}
+
+/// The processes whose CPU an update's breakdown counts: the ranks, the coordinator, this bench.
+struct Processes {
+    ranks: Vec<u32>,
+    coordinator: u32,
+}
+
+impl Processes {
+    fn sample(&self) -> Vec<Option<ProcessCpu>> {
+        self.ranks.iter().chain([&self.coordinator, &std::process::id()]).map(|&p| ProcessCpu::of(p)).collect()
+    }
+
+    /// What each group of processes spent between two samples (`None` where a process could not
+    /// be read in either).
+    fn spent(&self, before: &[Option<ProcessCpu>], after: &[Option<ProcessCpu>]) -> Option<CpuByProcess> {
+        let d: Vec<ProcessCpu> = before
+            .iter()
+            .zip(after)
+            .map(|(b, a)| {
+                Some(ProcessCpu { all: a.as_ref()?.all - b.as_ref()?.all, background: a.as_ref()?.background - b.as_ref()?.background })
+            })
+            .collect::<Option<_>>()?;
+        let n = self.ranks.len();
+        let background: f64 = d[..n].iter().map(|c| c.background).sum();
+        Some(CpuByProcess {
+            ranks_background_s: background,
+            ranks_serving_s: d[..n].iter().map(|c| c.all).sum::<f64>() - background,
+            coordinator_s: d[n].all,
+            client_s: d[n + 1].all,
+        })
+    }
+}
+
+impl CpuByProcess {
+    fn per_second(self, seconds: f64) -> Self {
+        let f = 1.0 / seconds.max(1e-9);
+        Self {
+            ranks_background_s: self.ranks_background_s * f,
+            ranks_serving_s: self.ranks_serving_s * f,
+            coordinator_s: self.coordinator_s * f,
+            client_s: self.client_s * f,
+        }
+    }
+
+    fn render(&self) -> String {
+        format!(
+            "the ranks' background pools {:.2} core-s (staging, references, round trips, staged verification passes), their other threads {:.2} (routed probes, probes after the swaps, reports), the coordinator {:.2}, this bench's probe client {:.2}",
+            self.ranks_background_s, self.ranks_serving_s, self.coordinator_s, self.client_s
+        )
+    }
+}
+
 /// Latency percentiles of a phase, in seconds.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Latency {
@@ -171,6 +273,9 @@ pub struct UpdateBench {
     pub update_ok: bool,
     /// The machine's CPU during the update against the probes alone (absent without `/proc/stat`).
     pub cpu: Option<CpuUse>,
+    pub cpu_by_process: Option<CpuByProcess>,
+    /// The same, per second, with the probes alone (the latency phase before the update).
+    pub cpu_by_process_before_per_s: Option<CpuByProcess>,
     /// The slowest probes during the update: when each was sent (seconds after the update
     /// began), its latency, and the replica and version that answered.
     pub slowest_during: Vec<SlowProbe>,
@@ -191,6 +296,7 @@ pub struct Back {
     pub p99_during_over_before: f64,
     pub update_ok: bool,
     pub cpu: Option<CpuUse>,
+    pub cpu_by_process: Option<CpuByProcess>,
     pub steps: Vec<String>,
 }
 
@@ -203,6 +309,7 @@ struct Rolled {
     steps: Vec<String>,
     /// The busy share of the machine's CPU during the update call.
     busy: Option<f64>,
+    by_process: Option<CpuByProcess>,
 }
 
 async fn roll_under_load(
@@ -211,10 +318,11 @@ async fn roll_under_load(
     probe: ProbeSpec,
     rate: f64,
     to: &Path,
+    processes: &Processes,
 ) -> anyhow::Result<Rolled> {
     let stop = AtomicBool::new(false);
     let update = async {
-        let (t, cpu) = (Instant::now(), CpuTimes::now());
+        let (t, cpu, by_process) = (Instant::now(), CpuTimes::now(), processes.sample());
         let mut c = client.clone();
         let req = orchestrator_worker::auth::request(
             pb::UpdateRequest { checkpoint_dir: to.display().to_string(), max_unavailable: 1, max_staging: 0 },
@@ -224,16 +332,17 @@ async fn roll_under_load(
         let r = c.update(req).await;
         stop.store(true, Ordering::SeqCst);
         let busy = CpuTimes::now().and_then(|now| now.busy_since(cpu));
-        (t.elapsed().as_secs_f64(), busy, r)
+        let by_process = processes.spent(&by_process, &processes.sample());
+        (t.elapsed().as_secs_f64(), busy, by_process, r)
     };
     let load = at_rate_until(client, Some(token), probe, rate, Duration::from_secs(3600), Some(&stop));
-    let ((update_s, busy, response), during) = tokio::join!(update, load);
+    let ((update_s, busy, by_process, response), during) = tokio::join!(update, load);
     let response = response.map_err(|s| anyhow::anyhow!("update: {}", s.message()))?.into_inner();
     let doc: serde_json::Value = serde_json::from_str(&response.json)?;
     let roll_s = doc["update"]["seconds"].as_f64().context("the update document has no seconds")?;
     let steps =
         doc["update"]["steps"].as_array().map(|v| v.iter().filter_map(|s| s.as_str().map(String::from)).collect()).unwrap_or_default();
-    Ok(Rolled { update_s, roll_s, ok: response.ok, during, steps, busy })
+    Ok(Rolled { update_s, roll_s, ok: response.ok, during, steps, busy, by_process })
 }
 
 #[derive(Debug, Serialize)]
@@ -399,13 +508,25 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
         let cap = capacity(&client, Some(&token), a.probe, a.dp as usize, phase).await;
         anyhow::ensure!(cap > 0.0, "no routed probe was served while measuring capacity");
         let rate = cap / 2.0;
-        let cpu_before = CpuTimes::now();
+        let processes = Processes {
+            ranks: report["ranks"]
+                .as_array()
+                .context("the launch report has no ranks")?
+                .iter()
+                .filter_map(|r| r["pid"].as_u64())
+                .map(|p| p as u32)
+                .collect(),
+            coordinator: cluster.child.id(),
+        };
+        let (cpu_before, by_process_before, t) = (CpuTimes::now(), processes.sample(), Instant::now());
         let before = at_rate(&client, Some(&token), a.probe, rate, phase).await;
         let busy_before = CpuTimes::now().and_then(|now| now.busy_since(cpu_before));
+        let by_process_before = processes.spent(&by_process_before, &processes.sample()).map(|c| c.per_second(t.elapsed().as_secs_f64()));
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         // The update under the same load; then back to the first version.
-        let Rolled { update_s, roll_s, ok, during, steps, busy } = roll_under_load(&client, &token, a.probe, rate, &ck_b).await?;
-        let second = roll_under_load(&client, &token, a.probe, rate, &ck_a).await?;
+        let Rolled { update_s, roll_s, ok, during, steps, busy, by_process } =
+            roll_under_load(&client, &token, a.probe, rate, &ck_b, &processes).await?;
+        let second = roll_under_load(&client, &token, a.probe, rate, &ck_a, &processes).await?;
         let errors = during.iter().chain(&before).chain(&second.during).filter(|s| !s.ok).take(5).map(|s| s.error.clone()).collect();
         let slowest_during = slowest(&during, 3);
         let (before, during_l) = (Latency::of(&before), Latency::of(&during));
@@ -418,6 +539,7 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
             p99_during_over_before: second_during.p99_s / before.p99_s.max(1e-9),
             update_ok: second.ok,
             cpu: CpuUse::of(cores, busy_before, second.busy, second.update_s, load_s),
+            cpu_by_process: second.by_process,
             steps: second.steps,
         };
         anyhow::Ok(UpdateBench {
@@ -443,6 +565,8 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
             p99_during_over_before: during_l.p99_s / before.p99_s.max(1e-9),
             update_ok: ok,
             cpu: CpuUse::of(cores, busy_before, busy, update_s, load_s),
+            cpu_by_process: by_process,
+            cpu_by_process_before_per_s: by_process_before,
             slowest_during,
             steps,
             errors,
@@ -490,6 +614,12 @@ fn render(b: &UpdateBench, launch_s: f64) -> String {
     if let Some(c) = &b.cpu {
         s.push_str(&format!("  CPU                {}\n", c.render(b.load_s)));
     }
+    if let Some(c) = &b.cpu_by_process_before_per_s {
+        s.push_str(&format!("    per s before     {}\n", c.render()));
+    }
+    if let Some(c) = &b.cpu_by_process {
+        s.push_str(&format!("    in the update    {}\n", c.render()));
+    }
     for p in &b.slowest_during {
         s.push_str(&format!(
             "  slow probe: sent {:.2} s into the update, {:.3} s, replica {} on {}\n",
@@ -514,6 +644,9 @@ fn render(b: &UpdateBench, launch_s: f64) -> String {
     ));
     if let Some(c) = &k.cpu {
         s.push_str(&format!("    CPU              {}\n", c.render(b.load_s)));
+    }
+    if let Some(c) = &k.cpu_by_process {
+        s.push_str(&format!("      in the update  {}\n", c.render()));
     }
     for step in &k.steps {
         s.push_str(&format!("    step: {step}\n"));
@@ -541,6 +674,32 @@ mod tests {
         for bad in ["", "cpu0 1 2 3 4 5 6 7 8\n", "cpu  1 2 3 4 5 6 7\n", "cpu  1 2 x 4 5 6 7 8\n"] {
             assert!(CpuTimes::parse(bad).is_none(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn proc_pid_stat_gives_user_plus_system_seconds_past_any_command_name() {
+        // SAFETY: sysconf reads a constant of the system.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        // Fields 14 and 15 (utime 250, stime 50), after a command name with spaces and ')'.
+        let line = "4242 (tokio (rt) worker) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 9 0 123 456 789\n";
+        assert_eq!(ProcessCpu::parse_stat(line), Some(300.0 / hz));
+        for bad in ["", "4242 tokio S 1 2 3", "4242 (x) S 1 2 3 4 5 6 7 8 9 10 x 0", "4242 (x) S 1 2 3 4 5 6 7 8 9 10 250"] {
+            assert_eq!(ProcessCpu::parse_stat(bad), None, "{bad:?}");
+        }
+        // This process, read as the bench reads its ranks: nothing in a background pool.
+        let me = ProcessCpu::of(std::process::id()).expect("Linux's /proc");
+        assert!(me.all >= 0.0 && me.background == 0.0, "{me:?}");
+        // Differences by group: ranks first, then the coordinator and this bench.
+        let p = Processes { ranks: vec![1, 2], coordinator: 3 };
+        let at = |all, background| Some(ProcessCpu { all, background });
+        let spent =
+            p.spent(&[at(1.0, 0.5), at(2.0, 0.0), at(0.1, 0.0), at(0.2, 0.0)], &[at(2.0, 1.0), at(3.5, 0.25), at(0.4, 0.0), at(0.2, 0.0)]);
+        let s = spent.expect("every process read twice");
+        assert_eq!((s.ranks_background_s, s.ranks_serving_s, s.coordinator_s, s.client_s), (0.75, 1.75, 0.30000000000000004, 0.0));
+        assert!(
+            p.spent(&[at(1.0, 0.0), None, at(0.0, 0.0), at(0.0, 0.0)], &[at(1.0, 0.0); 4]).is_none(),
+            "a process that could not be read"
+        );
     }
 
     #[test]
