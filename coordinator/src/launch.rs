@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use orchestrator_kernels::ScaleRule;
+use orchestrator_model::inspect::inspect;
 use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
 use orchestrator_model::{ModelConfig, Preset};
 use orchestrator_proto::v1 as pb;
@@ -266,13 +267,15 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         }))?;
     }
     let rotation = Arc::new(Rotation::new(vec![version; plan.dp as usize]));
-    // The launched checkpoint was hashed here: a later update back to it adopts that version
-    // (and inspects its values, which nothing here did).
+    // The launched checkpoint was hashed here, its values checked in the same pass: a later
+    // update back to it adopts that version, and its inspection stands where it found every
+    // tensor valid (only the headers are read again for it).
     let known_claims = Arc::new(crate::update::KnownClaims::default());
     if let orchestrator_worker::LoadSource::Safetensors(c) = &*plan.local_source
         && let Some(claim) = c.content_claim()
     {
-        known_claims.put(c.dir().to_path_buf(), claim, false);
+        let inspected = c.version_from() == orchestrator_model::checkpoint::VersionFrom::Hashed && inspect(c).valid;
+        known_claims.put(c.dir().to_path_buf(), claim, inspected);
     }
     let session = Session {
         cluster: Arc::new(cluster),

@@ -295,7 +295,8 @@ pub struct KnownClaims(std::sync::Mutex<std::collections::VecDeque<Known>>);
 struct Known {
     dir: PathBuf,
     claim: ContentClaim,
-    /// An update's validation inspected every value of these bytes and found none invalid.
+    /// An update's validation (or the launch, in the pass that hashed them) inspected every value
+    /// of these bytes and found none invalid.
     inspected: bool,
 }
 
@@ -363,7 +364,7 @@ pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots, known: 
         known.put(dir.clone(), c.clone(), true);
     }
     let claim = claim.map(|c| orchestrator_worker::source::claim_to_pb(&c));
-    Ok(Validated { version: orchestrator_worker::LoadSource::Safetensors(ck).version(), claim, adopted, inspected_before })
+    Ok(Validated { version: ck.content_version().to_string(), claim, adopted, inspected_before })
 }
 
 /// Rolls `dir` across the replicas, at most `max_unavailable` at a time (never all of them
@@ -426,7 +427,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         "validated {} (version {new_version}{}) against the running plan in {:.2} s",
         dir.display(),
         match (adopted, inspected_before) {
-            (true, true) => ", adopted from this coordinator's claim on the same files, which an earlier update inspected",
+            (true, true) => ", adopted from this coordinator's claim on the same files, whose every value it checked before",
             (true, false) => ", adopted from this coordinator's claim on the same files",
             _ => "",
         },

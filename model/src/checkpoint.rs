@@ -41,7 +41,14 @@ pub struct Checkpoint {
     /// The digest of the frame the version covers (see [`ContentClaim`]).
     frame: String,
     version_from: VersionFrom,
+    /// Where the content version was hashed here: each in-scope tensor's first illegal value
+    /// (element index and what it is), found in the same pass (see [`Checkpoint::checked_values`]).
+    /// (Behind a pointer: most checkpoints are opened from a claim and never hold one.)
+    checked: Option<Arc<HashMap<String, Option<Illegal>>>>,
 }
+
+/// A tensor's first illegal value: its element index, and what it is.
+pub type Illegal = (usize, &'static str);
 
 /// One memory-mapped shard file with its parsed header.
 pub struct Shard {
@@ -369,6 +376,8 @@ enum Scoped {
     Found {
         shard: Arc<Shard>,
         described: String,
+        /// As the shard's header stores it (its values are checked as that).
+        dtype: safetensors::Dtype,
     },
 }
 
@@ -382,25 +391,31 @@ struct Content {
 }
 
 impl Content {
-    /// The text [`Checkpoint::content_version`] hashes (tensors hashed in parallel).
-    fn text(&self) -> String {
+    /// The text [`Checkpoint::content_version`] hashes (tensors hashed in parallel), and each
+    /// found tensor's first illegal value, checked in the same pass.
+    fn text(&self) -> (String, HashMap<String, Option<Illegal>>) {
         use rayon::prelude::*;
-        let lines: Vec<String> = self
+        let lines: Vec<(String, Option<Option<Illegal>>)> = self
             .tensors
             .par_iter()
             .map(|(name, t)| match t {
-                Scoped::Missing => format!("{name} missing\n"),
-                Scoped::Unreadable => format!("{name} unreadable\n"),
-                Scoped::Found { shard, described } => {
-                    format!("{name} {described} {}\n", Digest::of(shard.bytes(name).unwrap_or_default()).hex())
+                Scoped::Missing => (format!("{name} missing\n"), None),
+                Scoped::Unreadable => (format!("{name} unreadable\n"), None),
+                Scoped::Found { shard, described, dtype } => {
+                    let (digest, illegal) = crate::inspect::digest_checked(*dtype, shard.bytes(name).unwrap_or_default());
+                    (format!("{name} {described} {}\n", digest.hex()), Some(illegal))
                 }
             })
             .collect();
         let mut text = self.head.clone();
-        for l in lines {
-            text.push_str(&l);
+        let mut checked = HashMap::new();
+        for ((name, _), (line, illegal)) in self.tensors.iter().zip(lines) {
+            text.push_str(&line);
+            if let Some(illegal) = illegal {
+                checked.insert(name.clone(), illegal);
+            }
         }
-        text
+        (text, checked)
     }
 }
 
@@ -472,6 +487,7 @@ impl Checkpoint {
             content_version: String::new(),
             frame: String::new(),
             version_from: VersionFrom::Hashed,
+            checked: None,
         };
         let content = ck.content();
         ck.frame = Digest::of(content.frame.as_bytes()).hex();
@@ -480,9 +496,21 @@ impl Checkpoint {
                 ck.content_version = c.version.clone();
                 ck.version_from = VersionFrom::Claim;
             }
-            _ => ck.content_version = Digest::of(content.text().as_bytes()).hex(),
+            _ => {
+                let (text, checked) = content.text();
+                ck.content_version = Digest::of(text.as_bytes()).hex();
+                ck.checked = Some(Arc::new(checked));
+            }
         }
         Ok(ck)
+    }
+
+    /// The first illegal value of in-scope tensor `name` (element index, and what it is) as the
+    /// pass that hashed the content version found it, checking each value as the tensor's stored
+    /// dtype (see [`crate::inspect`]); `None` where no such pass read the tensor (the version was
+    /// adopted from a claim, or the tensor is not in scope or was not found).
+    pub fn checked_values(&self, name: &str) -> Option<Option<Illegal>> {
+        self.checked.as_ref()?.get(name).copied()
     }
 
     /// How the content version was had: hashed here, or adopted from a claim.
@@ -586,7 +614,7 @@ impl Checkpoint {
                 let described = format!("{:?} [{shape}]", info.dtype);
                 let (a, b) = info.data_offsets;
                 frame.push_str(&format!("{name} {described} {file} {a} {b}\n"));
-                (name, Scoped::Found { shard: shard.clone(), described })
+                (name, Scoped::Found { shard: shard.clone(), described, dtype: info.dtype })
             })
             .collect();
         Content { head, frame, tensors }

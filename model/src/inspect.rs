@@ -39,30 +39,58 @@ pub struct Inspection {
 }
 
 /// The first illegal value of a tensor's bytes, as `[row, col]` of its row-major view.
-fn first_illegal(spec: &TensorSpec, bytes: &[u8]) -> Option<(usize, usize, &'static str)> {
-    let cols = spec.cols().max(1);
-    let at = |i: usize| (i / cols, i % cols);
-    match spec.dtype {
-        Dtype::F8_E8M0 => e8m0::find_nan(bytes).map(|i| (at(i).0, at(i).1, "NaN scale byte 0xFF")),
-        Dtype::F8_E4M3 => e4m3::find_nan(bytes).map(|i| (at(i).0, at(i).1, "NaN E4M3 byte")),
+/// The element index of the first value `dtype` calls illegal in `bytes`, and what it is.
+fn first_illegal_at(dtype: Dtype, bytes: &[u8]) -> Option<(usize, &'static str)> {
+    match dtype {
+        Dtype::F8_E8M0 => e8m0::find_nan(bytes).map(|i| (i, "NaN scale byte 0xFF")),
+        Dtype::F8_E4M3 => e4m3::find_nan(bytes).map(|i| (i, "NaN E4M3 byte")),
         Dtype::BF16 => bytes
             .chunks_exact(2)
             .position(|p| u16::from_le_bytes([p[0], p[1]]) & 0x7F80 == 0x7F80)
-            .map(|i| (at(i).0, at(i).1, "NaN or infinite BF16 value")),
+            .map(|i| (i, "NaN or infinite BF16 value")),
         Dtype::F32 => bytes
             .chunks_exact(4)
             .position(|p| !f32::from_le_bytes([p[0], p[1], p[2], p[3]]).is_finite())
-            .map(|i| (at(i).0, at(i).1, "NaN or infinite F32 value")),
+            .map(|i| (i, "NaN or infinite F32 value")),
         _ => None,
     }
 }
 
-/// Checks one tensor fully (dtype, shape, values).
+/// XXH3-64 of a tensor's stored bytes ([`orchestrator_kernels::Digest::of`]) and its first
+/// illegal value as [`first_illegal_at`] finds it, in one pass: each 256 KiB is checked, then
+/// hashed, while it is in cache (what a checkpoint's content version and its inspection both
+/// read, read once).
+pub(crate) fn digest_checked(dtype: Dtype, bytes: &[u8]) -> (orchestrator_kernels::Digest, Option<(usize, &'static str)>) {
+    const CHUNK: usize = 256 * 1024;
+    let element = match dtype {
+        Dtype::BF16 => 2,
+        Dtype::F32 => 4,
+        _ => 1,
+    };
+    let mut hasher = orchestrator_kernels::digest::DigestStream::new();
+    let mut found = None;
+    for (i, chunk) in bytes.chunks(CHUNK).enumerate() {
+        if found.is_none() {
+            found = first_illegal_at(dtype, chunk).map(|(at, what)| (i * CHUNK / element + at, what));
+        }
+        hasher.update(chunk);
+    }
+    (hasher.finish(), found)
+}
+
 pub fn check_tensor(ck: &Checkpoint, spec: &TensorSpec) -> Result<(), ModelError> {
     let (shard, range) = ck.tensor_bytes(spec)?;
-    let bytes = shard.bytes(&spec.name).unwrap_or(&[]);
-    debug_assert_eq!(bytes.len(), range.len());
-    if let Some((row, col, _)) = first_illegal(spec, bytes) {
+    // The pass that hashed the checkpoint's content checked the values already, where one did.
+    let illegal = match ck.checked_values(&spec.name) {
+        Some(found) => found,
+        None => {
+            let bytes = shard.bytes(&spec.name).unwrap_or(&[]);
+            debug_assert_eq!(bytes.len(), range.len());
+            first_illegal_at(spec.dtype, bytes)
+        }
+    };
+    let cols = spec.cols().max(1);
+    if let Some((row, col)) = illegal.map(|(at, _)| (at / cols, at % cols)) {
         let file = shard.path.clone();
         let tensor = spec.name.clone();
         return Err(if spec.dtype == Dtype::F8_E8M0 {
@@ -119,5 +147,45 @@ pub fn inspect(ck: &Checkpoint) -> Inspection {
         other_tensors,
         valid: problems.is_empty(),
         problems,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One pass gives the digest of the whole tensor and the first illegal value's index, for
+    /// every checked dtype, wherever the value lies against the 256 KiB steps (both sides of a
+    /// step, the first and the last element) and wherever there are two.
+    #[test]
+    fn the_one_pass_digest_and_check_are_the_whole_tensors() {
+        const STEP: usize = 256 * 1024;
+        let illegal: [(Dtype, usize, &[u8]); 4] = [
+            (Dtype::F8_E4M3, 1, &[0x7F]),
+            (Dtype::F8_E8M0, 1, &[0xFF]),
+            (Dtype::BF16, 2, &[0x80, 0x7F]),
+            (Dtype::F32, 4, &[0x00, 0x00, 0xC0, 0x7F]),
+        ];
+        for (dtype, size, bad) in illegal {
+            let len = 3 * STEP + 5 * size;
+            // Legal values: small numbers in every dtype (byte 0x11 keeps each exponent low).
+            let clean = vec![0x11u8; len];
+            let (digest, found) = digest_checked(dtype, &clean);
+            assert_eq!((digest, found), (orchestrator_kernels::Digest::of(&clean), None), "{dtype:?}");
+            let n = len / size;
+            let spots = [0, STEP / size - 1, STEP / size, STEP / size + 1, 2 * STEP / size + 3, n - 1];
+            for &at in &spots {
+                for second in [None, Some(n - 1)] {
+                    let mut bytes = clean.clone();
+                    for i in [Some(at), second].into_iter().flatten().filter(|&i| i >= at) {
+                        bytes[i * size..(i + 1) * size].copy_from_slice(bad);
+                    }
+                    let (digest, found) = digest_checked(dtype, &bytes);
+                    assert_eq!(digest, orchestrator_kernels::Digest::of(&bytes), "{dtype:?} at {at}");
+                    assert_eq!(found.map(|(i, _)| i), Some(at), "{dtype:?} at {at}, then {second:?}");
+                    assert_eq!(found, first_illegal_at(dtype, &bytes), "{dtype:?} at {at}");
+                }
+            }
+        }
     }
 }

@@ -108,3 +108,39 @@ fn files_changed_just_before_they_were_opened_are_not_claimed() {
     assert!(open(&a, None).content_claim().is_none(), "written a moment ago: racy");
     assert!(open(&a, None).claim_with_margin(Duration::ZERO).is_some());
 }
+
+/// The pass that hashes a checkpoint checks every in-scope value too, and an inspection of that
+/// checkpoint takes those checks instead of reading the values again: the same verdict, to the
+/// row and column, as an inspection of the same files opened from a claim (which reads them).
+#[test]
+fn the_hashing_pass_checks_the_values_an_inspection_then_reads_no_more() {
+    use orchestrator_model::inspect::inspect;
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join("a");
+    synth(&a, 1, 1 << 30);
+    let c = claim(&a);
+    let name = "layers.1.attn.wo_a.weight";
+    let (hashed, adopted) = (open(&a, None), open(&a, Some(&c)));
+    assert_eq!(hashed.checked_values(name), Some(None), "checked while hashing, nothing illegal");
+    assert_eq!(adopted.checked_values(name), None, "adopted: nothing was read");
+    assert!(inspect(&hashed).valid && inspect(&adopted).valid);
+    drop((hashed, adopted));
+    // One E4M3 byte NaN (0x7F) at row 3, column 5 of the tensor, written in place.
+    let file = a.join("model-00001-of-00001.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let cols = header[name]["shape"][1].as_u64().unwrap() as usize;
+    let start = header[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + n + start + 3 * cols + 5] = 0x7F;
+    std::fs::write(&file, bytes).unwrap();
+    let hashed = open(&a, None);
+    assert_eq!(hashed.checked_values(name).flatten().map(|(at, _)| at), Some(3 * cols + 5));
+    let (mine, read) = (inspect(&hashed), inspect(&open(&a, Some(&claim(&a)))));
+    assert!(
+        !mine.valid && mine.problems.len() == 1 && mine.problems[0].contains(name) && mine.problems[0].contains("[3, 5]"),
+        "{:?}",
+        mine.problems
+    );
+    assert_eq!(mine.problems, read.problems);
+}

@@ -14,14 +14,14 @@ use orchestrator_model::{AllowedRoots, Checkpoint, Generator, ModelConfig, Model
 /// A load format with its data.
 pub enum LoadSource {
     /// A Hugging Face checkpoint directory, memory-mapped.
-    Safetensors(Checkpoint),
+    Safetensors(Box<Checkpoint>),
     /// Values from the synthetic generator with this seed (what `checkpoint synth` writes).
     Dummy { config: ModelConfig, generator: Generator },
 }
 
 impl LoadSource {
     pub fn open_checkpoint(dir: &Path) -> Result<Self, ModelError> {
-        Ok(Self::Safetensors(Checkpoint::open(dir)?))
+        Ok(Self::Safetensors(Box::new(Checkpoint::open(dir)?)))
     }
 
     /// A checkpoint directory every file of which lies under `roots`
@@ -37,7 +37,7 @@ impl LoadSource {
         if claim.is_some() {
             tracing::info!(dir = %ck.dir().display(), from = ?ck.version_from(), version = ck.content_version(), "opened a claimed checkpoint");
         }
-        Ok(Self::Safetensors(ck))
+        Ok(Self::Safetensors(Box::new(ck)))
     }
 
     /// The claim other processes on this host can open the same checkpoint with (`None` for a
