@@ -18,14 +18,9 @@ fn not_built() -> KernelError {
     KernelError::Device("this binary was built without the `cuda` feature".into())
 }
 
-/// Which CUDA libraries this process can load: none, in this build.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CudaLibraries {
-    pub driver: bool,
-    pub nvrtc: bool,
-    pub nccl: bool,
-}
+pub use crate::cuda_libraries::CudaLibraries;
 
+/// In this build: none.
 impl CudaLibraries {
     pub fn probe() -> Self {
         Self { driver: false, nvrtc: false, nccl: false }

@@ -10,6 +10,7 @@ pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda_dummy.rs"]
 pub mod cuda;
+mod cuda_libraries;
 pub mod digest;
 pub mod e4m3;
 pub mod e8m0;

@@ -38,7 +38,6 @@ pub struct Inspection {
     pub valid: bool,
 }
 
-/// The first illegal value of a tensor's bytes, as `[row, col]` of its row-major view.
 /// The element index of the first value `dtype` calls illegal in `bytes`, and what it is.
 fn first_illegal_at(dtype: Dtype, bytes: &[u8]) -> Option<(usize, &'static str)> {
     match dtype {
@@ -78,6 +77,8 @@ pub(crate) fn digest_checked(dtype: Dtype, bytes: &[u8]) -> (orchestrator_kernel
     (hasher.finish(), found)
 }
 
+/// Checks one tensor fully (dtype, shape, values); its values as the pass that hashed the
+/// checkpoint found them where one did ([`Checkpoint::checked_values`]).
 pub fn check_tensor(ck: &Checkpoint, spec: &TensorSpec) -> Result<(), ModelError> {
     let (shard, range) = ck.tensor_bytes(spec)?;
     // The pass that hashed the checkpoint's content checked the values already, where one did.

@@ -19,13 +19,7 @@ use crate::KernelError;
 /// Whether this build has the CUDA backend (`cuda` feature; `cuda_dummy.rs` says false).
 pub const BUILT_IN: bool = true;
 
-/// Which CUDA libraries this process can load.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CudaLibraries {
-    pub driver: bool,
-    pub nvrtc: bool,
-    pub nccl: bool,
-}
+pub use crate::cuda_libraries::CudaLibraries;
 
 impl CudaLibraries {
     /// Probes the shared libraries without calling into them.
