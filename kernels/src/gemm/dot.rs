@@ -44,9 +44,11 @@
 //! 16-bit pairs in two 8 x 8 word transposes, and regrouped so that each register holds one pair
 //! of columns of all 32 rows. Two 128-entry byte tables (`vpermi2b`) give the low and the high
 //! byte of each E4M3 magnitude as BF16, and the sign is put back (the scales: above). The NaN bytes are the only ones whose low table byte
-//! is `0xFF`, which one maximum per register finds. The pairs come out in increasing `k`: for one
-//! or two activation rows each is added to the sums as it is decoded (the sums stay in
-//! registers), for more a block's pairs are kept and then added for every row.
+//! is `0xFF`, which one maximum per register finds. For one or two activation rows each pair is
+//! added to the sums as it is decoded, in increasing `k` (the sums stay in registers). For more,
+//! a block's pairs are kept, and added, in increasing `k`, one beside each pair of the next block
+//! being decoded (the decode and the dot products overlap), to the sums of up to eight rows
+//! in registers; further rows add the kept pairs after.
 
 use super::{TILE, TileWeights};
 use crate::mxfp8::BLOCK;
@@ -303,7 +305,13 @@ mod avx512 {
         /// NaN byte.
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-        unsafe fn block(&self, ep: *const u8, stride: usize, mut pair: impl FnMut(usize, __m512i, __m512i), mut nan: __m512i) -> __m512i {
+        unsafe fn block<const IN_ORDER: bool>(
+            &self,
+            ep: *const u8,
+            stride: usize,
+            mut pair: impl FnMut(usize, __m512i, __m512i),
+            mut nan: __m512i,
+        ) -> __m512i {
             const HALF: usize = TILE / 2;
             // r[i]: lanes 0, 1 = row i, columns 0..32 of the block; lanes 2, 3 = row i + 16; the
             // bytes of each column pair swapped. SAFETY: 32 readable bytes at each row (the
@@ -322,8 +330,10 @@ mod avx512 {
             transpose_words(&mut b);
             // Pairs in increasing `k`: pair p of all 32 rows (lanes: rows 0..8, 16..24, 8..16,
             // 24..32) is in lanes 0 and 2 of a[p] and b[p], pair 8 + p in lanes 1 and 3.
-            for half in 0..2 {
-                for p in 0..8 {
+            for step in 0..16 {
+                // In `k` order, or each of a[p], b[p] used up at once (fewer live registers).
+                let (half, p) = if IN_ORDER { (step / 8, step % 8) } else { (step % 2, step / 2) };
+                {
                     let x = match half {
                         0 => _mm512_shuffle_i64x2::<0x88>(a[p], b[p]),
                         _ => _mm512_shuffle_i64x2::<0xDD>(a[p], b[p]),
@@ -390,13 +400,21 @@ mod avx512 {
                 && a.pairs.len() == a.rows * a.k / 2
         );
         let tile = Tile { e, next, scales, k: a.k };
-        // One row or two keep their sums in registers (interleaved runs on the Zen 4 VM, one
-        // thread: 1.1-1.4x the buffered loop at T = 1, 1.1-1.2x at T = 2; at T = 3 the same,
-        // slower from T = 4 on, where the sums and the decode no longer fit the registers).
+        // One row or two add each pair as it is decoded (interleaved runs on the Zen 4 VM, one
+        // thread: 1.1-1.4x a loop that kept each block's pairs, then added them, at T = 1, 1.1-1.2x
+        // at T = 2; at T = 3 the same, slower from T = 4 on, where the sums and the decode no
+        // longer fit the registers). More rows add a block's pairs while the next block is
+        // decoded (Zen 5 VM, one thread, weights from memory: 1.25-1.3x that loop at T = 3 to 8,
+        // 1.1x at T = 16).
         match a.rows {
             1 => fused::<1>(&tile, a, out),
             2 => fused::<2>(&tile, a, out),
-            _ => buffered(&tile, a, out),
+            3 => pipelined::<3>(&tile, a, out),
+            4 => pipelined::<4>(&tile, a, out),
+            5 => pipelined::<5>(&tile, a, out),
+            6 => pipelined::<6>(&tile, a, out),
+            7 => pipelined::<7>(&tile, a, out),
+            _ => pipelined::<8>(&tile, a, out),
         }
     }
 
@@ -507,49 +525,78 @@ mod avx512 {
             let x = block_rows::<ROWS>(a, 0, kb);
             let add = |i: usize, lo: __m512i, hi: __m512i| add_pair(&mut sums, &x, i, lo, hi);
             // SAFETY: 32 bytes at each of the TILE rows of `from`.
-            nan = unsafe { decoder.block(from, stride, add, nan) };
+            nan = unsafe { decoder.block::<true>(from, stride, add, nan) };
         }
         scale.leave(&mut sums);
         finish(nan, &sums, out)
     }
 
-    /// More rows: a block's decoded pairs are kept, then added for every row, eight rows at a
-    /// time.
+    /// Three rows or more: each block is decoded while the previous one's pairs are added to the
+    /// sums of the first `ROWS` rows (kept in registers), one decoded pair of the next block
+    /// beside one pair of the sums, so that the decode's shuffles and the dot products run side
+    /// by side (the unpacks and the dot products use different pipes; on the Zen 5 VM the
+    /// cross-lane shuffles and `vdpbf16ps` share some). Each sum still takes the block's
+    /// multiply by its scale, then its pairs in increasing `k`. Rows past `ROWS` (at most 8 in
+    /// registers) add the kept pairs of the block once it is decoded ([`add_block`]).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16")]
-    fn buffered(t: &Tile<'_>, a: &Activations, out: &mut [f32]) -> bool {
+    fn pipelined<const ROWS: usize>(t: &Tile<'_>, a: &Activations, out: &mut [f32]) -> bool {
         let decoder = Decoder::new();
+        let blocks = a.k / BLOCK;
+        let mut sums = [[_mm512_setzero_ps(); 2]; ROWS];
         let mut acc = [[_mm512_setzero_ps(); 2]; super::DOT_MAX_ROWS];
-        let mut w = [_mm512_setzero_si512(); 32];
+        // Decoded pairs of the block being added and of the next one.
+        let mut pairs = [[_mm512_setzero_si512(); 32]; 2];
         let mut nan = _mm512_setzero_si512();
         let mut lines = [_mm512_setzero_si512(); TILE];
         let mut scale = Scale::new();
-        for kb in 0..a.k / BLOCK {
-            let (from, stride) = rows_of_block(t, kb, &mut lines);
+        let put = |w: &mut [__m512i; 32], i: usize, lo: __m512i, hi: __m512i| {
+            w[2 * i] = lo;
+            w[2 * i + 1] = hi;
+        };
+        let (from, stride) = rows_of_block(t, 0, &mut lines);
+        let first = &mut pairs[0];
+        // SAFETY: 32 bytes at each of the TILE rows of `from`.
+        nan = unsafe { decoder.block::<false>(from, stride, |i, lo, hi| put(first, i, lo, hi), nan) };
+        for kb in 0..blocks {
             // SAFETY: 32 scale bytes per block.
             let by = scale.enter(unsafe { decoder.lane_scales(t.scales.as_ptr().add(kb * TILE)) });
-            let store = |i: usize, lo: __m512i, hi: __m512i| {
-                w[2 * i] = lo;
-                w[2 * i + 1] = hi;
-            };
-            // SAFETY: 32 bytes at each of the TILE rows of `from`.
-            nan = unsafe { decoder.block(from, stride, store, nan) };
-            let mut t0 = 0;
+            Scale::multiply(&mut sums, by);
+            let x = block_rows::<ROWS>(a, 0, kb);
+            let (first, second) = pairs.split_at_mut(1);
+            let (cur, next) = if kb % 2 == 0 { (&first[0], &mut second[0]) } else { (&second[0], &mut first[0]) };
+            if kb + 1 < blocks {
+                let (from, stride) = rows_of_block(t, kb + 1, &mut lines);
+                let mut step = 0;
+                let interleave = |i: usize, lo: __m512i, hi: __m512i| {
+                    put(next, i, lo, hi);
+                    add_pair(&mut sums, &x, step, cur[2 * step], cur[2 * step + 1]);
+                    step += 1;
+                };
+                // SAFETY: 32 bytes at each of the TILE rows of `from`.
+                nan = unsafe { decoder.block::<false>(from, stride, interleave, nan) };
+            } else {
+                for (i, pair) in cur.chunks_exact(2).enumerate() {
+                    add_pair(&mut sums, &x, i, pair[0], pair[1]);
+                }
+            }
+            let mut t0 = ROWS;
             while t0 < a.rows {
                 let rows = (a.rows - t0).min(8);
                 match rows {
-                    1 => add_block::<1>(&mut acc, &w, a, t0, kb, by),
-                    2 => add_block::<2>(&mut acc, &w, a, t0, kb, by),
-                    3 => add_block::<3>(&mut acc, &w, a, t0, kb, by),
-                    4 => add_block::<4>(&mut acc, &w, a, t0, kb, by),
-                    5 => add_block::<5>(&mut acc, &w, a, t0, kb, by),
-                    6 => add_block::<6>(&mut acc, &w, a, t0, kb, by),
-                    7 => add_block::<7>(&mut acc, &w, a, t0, kb, by),
-                    _ => add_block::<8>(&mut acc, &w, a, t0, kb, by),
+                    1 => add_block::<1>(&mut acc, cur, a, t0, kb, by),
+                    2 => add_block::<2>(&mut acc, cur, a, t0, kb, by),
+                    3 => add_block::<3>(&mut acc, cur, a, t0, kb, by),
+                    4 => add_block::<4>(&mut acc, cur, a, t0, kb, by),
+                    5 => add_block::<5>(&mut acc, cur, a, t0, kb, by),
+                    6 => add_block::<6>(&mut acc, cur, a, t0, kb, by),
+                    7 => add_block::<7>(&mut acc, cur, a, t0, kb, by),
+                    _ => add_block::<8>(&mut acc, cur, a, t0, kb, by),
                 }
                 t0 += rows;
             }
         }
+        acc[..ROWS].copy_from_slice(&sums);
         scale.leave(&mut acc[..a.rows]);
         finish(nan, &acc[..a.rows], out)
     }
