@@ -630,11 +630,10 @@ impl Roll<'_> {
                 drop(permit);
                 let outcome = match staged {
                     Err(e) => Err(e),
-                    Ok(stage_s) if first => verify_staged(self.cluster, dp, &self.new_version, self.probe, None, stage_s).await,
-                    Ok(stage_s) => match proof.wait_for(Option::is_some).await.map(|p| p.clone()) {
-                        Ok(p) => verify_staged(self.cluster, dp, &self.new_version, self.probe, p.as_ref(), stage_s).await,
-                        Err(_) => Err(unreachable_rank("the update ended before the version was proved")),
-                    },
+                    Ok(stage_s) => {
+                        let against = if first { Against::Reference } else { Against::Proof(&mut proof) };
+                        verify_staged(self.cluster, dp, &self.new_version, self.probe, against, stage_s).await
+                    }
                 };
                 let _ = tx.send(StageOutcome::Done(outcome));
             }
@@ -973,15 +972,24 @@ async fn stage_replica(
     Ok(t.elapsed().as_secs_f64())
 }
 
+/// What a staged replica is verified against.
+enum Against<'a> {
+    /// The reference its ranks prepared while they staged (the first replicas of a version).
+    Reference,
+    /// What the first verified replica proved, once it has (a closed channel: the update ended
+    /// first).
+    Proof(&'a mut tokio::sync::watch::Receiver<Option<VerifiedVersion>>),
+}
+
 /// Verifies what replica `dp` staged, while it serves its active weights: against the
-/// reference when it is the first of its version (`verified` is `None`), else as
-/// byte-identical to the replica that was.
+/// reference when it is the first of its version, else as byte-identical to the replica that
+/// was.
 async fn verify_staged(
     cluster: &Cluster,
     dp: u32,
     new_version: &str,
     probe: ProbeSpec,
-    verified: Option<&VerifiedVersion>,
+    against: Against<'_>,
     stage_s: f64,
 ) -> Result<Staged, VerifyFailure> {
     use VerifyRule::*;
@@ -989,11 +997,20 @@ async fn verify_staged(
     // reports and the probe are asked for at once (neither depends on the other), and judged in
     // that order whatever answered first. The first replica of a version runs the reference; a
     // later one, byte-identical to it, only its own kernel pass (its y must equal the verified
-    // y: checked by the caller).
-    let skip_reference = verified.is_some();
+    // y: checked by the caller), which starts as soon as it staged: only its reports wait for
+    // the proof they are compared with.
+    let skip_reference = matches!(against, Against::Proof(_));
     let t = Instant::now();
     let reports = async {
-        let r = match verified {
+        let verified = match against {
+            Against::Reference => None,
+            Against::Proof(proof) => match proof.wait_for(Option::is_some).await.map(|p| p.clone()) {
+                Ok(p) => p,
+                Err(_) => return Err(unreachable_rank("the update ended before the version was proved")),
+            },
+        };
+        let waited = t.elapsed().as_secs_f64();
+        let r = match &verified {
             None => cluster.reports_in(Some(dp), true).await,
             Some(v) => {
                 let proof = |tp: u32| {
@@ -1006,13 +1023,15 @@ async fn verify_staged(
                 cluster.staged_reports_identical_to(dp, proof).await
             }
         };
-        (r, t.elapsed().as_secs_f64())
+        Ok((r, verified, waited, t.elapsed().as_secs_f64() - waited))
     };
     let probes = async {
         let p = cluster.probe_staged(dp, (probe.tokens as u32, probe.latents as u32, probe.seed), skip_reference).await;
         (p, t.elapsed().as_secs_f64())
     };
-    let ((reports, report_s), (probes, probe_s)) = tokio::join!(reports, probes);
+    let (reports, (probes, probe_s)) = tokio::join!(reports, probes);
+    let (reports, verified, waited_s, report_s) = reports?;
+    let verified = verified.as_ref();
     let seconds = t.elapsed().as_secs_f64();
     let mut digests = BTreeMap::new();
     for r in reports.values() {
@@ -1076,8 +1095,11 @@ async fn verify_staged(
             v.dp
         ),
     };
+    let waited = if verified.is_some() { format!(", the reports after {waited_s:.2} s waiting for the proof") } else { String::new() };
     Ok(Staged {
-        detail: format!("staged in {stage_s:.2} s, {how} in {seconds:.2} s (reports {report_s:.2} s, probe {probe_s:.2} s, at once)"),
+        detail: format!(
+            "staged in {stage_s:.2} s, {how} in {seconds:.2} s (reports {report_s:.2} s, probe {probe_s:.2} s, at once{waited})"
+        ),
         y: y.clone(),
         proof: VerifiedVersion { dp, digests },
         against_reference: verified.is_none(),
