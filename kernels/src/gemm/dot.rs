@@ -330,19 +330,30 @@ mod avx512 {
             transpose_words(&mut b);
             // Pairs in increasing `k`: pair p of all 32 rows (lanes: rows 0..8, 16..24, 8..16,
             // 24..32) is in lanes 0 and 2 of a[p] and b[p], pair 8 + p in lanes 1 and 3.
-            for step in 0..16 {
-                // In `k` order, or each of a[p], b[p] used up at once (fewer live registers).
-                let (half, p) = if IN_ORDER { (step / 8, step % 8) } else { (step % 2, step / 2) };
-                {
-                    let x = match half {
-                        0 => _mm512_shuffle_i64x2::<0x88>(a[p], b[p]),
-                        _ => _mm512_shuffle_i64x2::<0xDD>(a[p], b[p]),
-                    };
-                    let low = _mm512_permutex2var_epi8(self.low[0], x, self.low[1]);
-                    nan = _mm512_max_epu8(nan, low);
-                    // The magnitude's high byte with the sign put back: high | (x & 0x80).
-                    let high = _mm512_ternarylogic_epi32::<0xF8>(_mm512_permutex2var_epi8(self.high[0], x, self.high[1]), x, self.sign);
-                    pair(8 * half + p, _mm512_unpacklo_epi8(low, high), _mm512_unpackhi_epi8(low, high));
+            let mut decode = |half: usize, p: usize| {
+                let x = match half {
+                    0 => _mm512_shuffle_i64x2::<0x88>(a[p], b[p]),
+                    _ => _mm512_shuffle_i64x2::<0xDD>(a[p], b[p]),
+                };
+                let low = _mm512_permutex2var_epi8(self.low[0], x, self.low[1]);
+                nan = _mm512_max_epu8(nan, low);
+                // The magnitude's high byte with the sign put back: high | (x & 0x80).
+                let high = _mm512_ternarylogic_epi32::<0xF8>(_mm512_permutex2var_epi8(self.high[0], x, self.high[1]), x, self.sign);
+                pair(8 * half + p, _mm512_unpacklo_epi8(low, high), _mm512_unpackhi_epi8(low, high));
+            };
+            // In `k` order, or each of a[p], b[p] used up at once (fewer live registers). Two
+            // nested loops of constant bounds, which the compiler unrolls.
+            if IN_ORDER {
+                for half in 0..2 {
+                    for p in 0..8 {
+                        decode(half, p);
+                    }
+                }
+            } else {
+                for p in 0..8 {
+                    for half in 0..2 {
+                        decode(half, p);
+                    }
                 }
             }
             nan
