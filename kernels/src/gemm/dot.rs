@@ -415,8 +415,8 @@ mod avx512 {
         // thread: 1.1-1.4x a loop that kept each block's pairs, then added them, at T = 1, 1.1-1.2x
         // at T = 2; at T = 3 the same, slower from T = 4 on, where the sums and the decode no
         // longer fit the registers). More rows add a block's pairs while the next block is
-        // decoded (Zen 5 VM, one thread, weights from memory: 1.25-1.3x that loop at T = 3 to 8,
-        // 1.1x at T = 16).
+        // decoded (Zen 5 VM, one thread, weights in L3, both kernels in one binary: 1.25-1.4x
+        // that loop at T = 3 to 8, 1.1x at T = 16).
         match a.rows {
             1 => fused::<1>(&tile, a, out),
             2 => fused::<2>(&tile, a, out),
