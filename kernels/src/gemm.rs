@@ -220,10 +220,9 @@ impl<'a> TileWeights<'a> {
         scratch.resize(TILE * blocks, 0);
         // Four blocks at a time where each row's four scale bytes lie side by side (every
         // layout keeps them so, in groups of four blocks).
-        let quads = blocks / 4 * 4;
         let mut kb = 0;
         while kb < blocks {
-            if kb + 4 <= quads && quad::gather(w, n0, kb, &mut scratch[kb * TILE..(kb + 4) * TILE]) {
+            if kb + 4 <= blocks && quad::gather(w, n0, kb, &mut scratch[kb * TILE..(kb + 4) * TILE]) {
                 kb += 4;
                 continue;
             }
