@@ -20,6 +20,6 @@ if [ -n "${KERNEL_VECTORS:-}" ]; then
 else
   cargo run -q -p orchestrator-kernels --example kernel_vectors -- "$OUT/vectors"
 fi
-"$CXX" -std=c++17 -O2 -ffp-contract=off -fno-fast-math -Wall -Wno-unused-function -o "$OUT/harness" scripts/host-kernels/harness.cpp
+"$CXX" -std=c++17 -O2 -ffp-contract=off -fno-fast-math -Wall -Wno-unused-function -Wno-unknown-pragmas -o "$OUT/harness" scripts/host-kernels/harness.cpp
 "$OUT/harness" "$OUT/vectors" $(ls "$OUT/vectors")
 echo "kernels.cu on the host: every kernel reproduces the CPU backend's bytes"

@@ -205,4 +205,40 @@ fn main() {
         let ints = [a.rows as u64, view.n as u64, k as u64, mode, group as u64, if mode == 2 { 100 } else { 0 }];
         case(dir, &format!("gemm_m{mode}"), "mx_gemm", &ints, &[&a_deq, view.elements, scale_bytes], &[&f32s(&want)]);
     }
+
+    // mx_gemm on every weight byte (NaN, subnormal, both zeros) and every scale byte (0 to
+    // 2^-127, above 2^7 where the kernel takes two products, 0xFF a NaN), with a row count that
+    // is not a multiple of a warp, and K blocks (7, 13) that are not a multiple of the four a
+    // thread loads at once (the packed layout needs multiples of 4: 68 rows, 12 blocks).
+    for (mode, n, k, t) in [(0u64, 70usize, 224usize, 5usize), (1, 70, 416, 3), (2, 68, 384, 6)] {
+        let c = k / 32;
+        // NaN weights only in rows 3, 13, ...; scales past 2^108 (where sums can overflow) and
+        // the NaN scale only in rows 7, 17, ...: the other rows' outputs stay finite.
+        let elements: Vec<u8> = (0..n * k)
+            .map(|i| match (i * 113 + i / k) as u8 {
+                b if b & 0x7F == 0x7F && (i / k) % 10 != 3 => b - 1,
+                b => b,
+            })
+            .collect();
+        let scales: Vec<u8> = (0..n * c).map(|i| if (i / c) % 10 == 7 { (i * 97 + 5) as u8 } else { (i * 97 + 5) as u8 % 236 }).collect();
+        let values: Vec<f32> = bytes(t * k, 40 + mode).iter().map(|&b| (b as f32 - 127.5) * 0.0173).collect();
+        let a = MxMatrix::quantize(&values, k, ScaleRule::Rceil).unwrap();
+        let mut layout_bytes = Vec::new();
+        let scale_view = match mode {
+            0 => ScaleView::RowMajor(&scales),
+            1 => {
+                layout::swizzle_128x4(&scales, n, c, &mut layout_bytes).unwrap();
+                ScaleView::Swizzled128x4(&layout_bytes)
+            }
+            _ => {
+                layout::pack_ue8m0_mn_major(&scales, 1, n, c, &mut layout_bytes).unwrap();
+                ScaleView::PackedUe8m0 { bytes: &layout_bytes, group: 0, rows_per_group: n }
+            }
+        };
+        let scale_bytes = if mode == 0 { &scales } else { &layout_bytes };
+        let view = WeightView { elements: &elements, n, k, scales: scale_view };
+        let want = gemm(&a, &view).unwrap();
+        let ints = [t as u64, n as u64, k as u64, mode, 0, if mode == 2 { n as u64 } else { 0 }];
+        case(dir, &format!("gemm_edge_m{mode}"), "mx_gemm", &ints, &[&f32s(&a.dequantize()), &elements, scale_bytes], &[&f32s(&want)]);
+    }
 }

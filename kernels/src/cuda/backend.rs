@@ -39,9 +39,56 @@ const PART_BYTES: usize = 16 << 20;
 const MAX_SLOTS: usize = 2 * MAX_UPLOAD_THREADS;
 /// Threads per block of the elementwise kernels.
 const THREADS: u32 = 256;
-/// Tokens per block of `mx_gemm` (`GEMM_TT` in kernels.cu) and outputs per block along N.
-const GEMM_TT: usize = 8;
-const GEMM_THREADS: u32 = 128;
+/// Outputs per block of the `mx_gemm_t*` kernels along N (`GEMM_ROWS` in kernels.cu): one warp,
+/// so that even a small N (a 1024-row `wo_a` group) spreads over as many SMs as it has warps.
+const GEMM_THREADS: u32 = 32;
+/// The `mx_gemm_t*` kernels by tokens per thread (`TT` in kernels.cu).
+const GEMM_TOKENS: [usize; 4] = [1, 2, 4, 8];
+
+/// Tokens per thread for `t` tokens and `n` weight rows on a GPU of `sms` multiprocessors: the
+/// most of [`GEMM_TOKENS`] (no more than `t` rounded up to a power of two) that still gives at
+/// least two warps per multiprocessor, else 1. More tokens per thread decode each weight once for
+/// more of them; fewer give more warps, and with one warp per scheduler or less the GPU mostly
+/// waits. Each output's sum is sequential, so warps come only from rows and token groups. On an
+/// H200 (132 SMs) this picked the fastest or within 7% of it for every dsv41-flash TP 4 shape at
+/// T = 1 to 16.
+fn gemm_tokens(t: usize, n: usize, sms: usize) -> usize {
+    let warps = |tokens: usize| n.div_ceil(GEMM_THREADS as usize) * t.div_ceil(tokens);
+    GEMM_TOKENS.iter().rev().copied().find(|&tt| tt <= t.next_power_of_two() && warps(tt) >= 2 * sms).unwrap_or(1)
+}
+
+/// A weight's scale layout as the `mx_gemm_t*` kernels take it, after checking the weight's
+/// sizes against its buffers.
+struct GemmArgs {
+    /// 0 row-major, 1 F8_128x4 swizzled, 2 DeepGEMM packed UE8M0.
+    mode: i32,
+    group: u64,
+    rows_per_group: u64,
+}
+
+impl GemmArgs {
+    fn of(w: &BackendWeight<'_, CudaBackend>) -> Result<Self, KernelError> {
+        let BackendWeight { elements, offset, n, k, scales, scales_layout } = *w;
+        let c = k / mxfp8::BLOCK;
+        if !k.is_multiple_of(mxfp8::BLOCK) || offset + n * k > elements.len || !offset.is_multiple_of(16) {
+            return Err(KernelError::Shape(format!("device GEMM with a [{n}, {k}] weight at byte {offset} of {}", elements.len)));
+        }
+        let (mode, group, rows_per_group, need) = match scales_layout {
+            ScaleKind::RowMajor => (0, 0, 0, n * c),
+            ScaleKind::Swizzled128x4 => (1, 0, 0, layout::swizzled_len(n, c)),
+            ScaleKind::PackedUe8m0 { group, rows_per_group } => {
+                if rows_per_group != n || !c.is_multiple_of(4) {
+                    return Err(KernelError::Shape(format!("packed scales of {rows_per_group} rows for a weight of {n} rows")));
+                }
+                (2, group, rows_per_group, (group + 1) * rows_per_group * c)
+            }
+        };
+        if scales.len < need {
+            return Err(KernelError::Shape(format!("device GEMM scales hold {} bytes, need {need}", scales.len)));
+        }
+        Ok(Self { mode, group: group as u64, rows_per_group: rows_per_group as u64 })
+    }
+}
 
 /// A byte buffer in device memory: an allocation (reused while large enough) and the bytes in
 /// use.
@@ -71,7 +118,8 @@ struct Kernels {
     unswizzle_128x4: CudaFunction,
     pack_ue8m0: CudaFunction,
     unpack_ue8m0: CudaFunction,
-    mx_gemm: CudaFunction,
+    /// `mx_gemm_t{TT}` for each TT of [`GEMM_TOKENS`], in that order.
+    mx_gemm: [CudaFunction; 4],
 }
 
 /// Page-locked host memory for one staging slot, with the event of the last copy from it.
@@ -118,6 +166,8 @@ pub struct CudaBackend {
     /// Signalled when a slot goes back to `staging`.
     slot_returned: Condvar,
     ordinal: usize,
+    /// Streaming multiprocessors (how many warps the GEMM launches aim for).
+    multiprocessors: usize,
 }
 
 impl CudaBackend {
@@ -158,6 +208,10 @@ impl CudaBackend {
         let copy_stream = ctx.new_stream().map_err(dev("stream"))?;
         let d2h_stream = ctx.new_stream().map_err(dev("stream"))?;
         let (major, minor) = ctx.compute_capability().map_err(dev("compute capability"))?;
+        let multiprocessors = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(dev("multiprocessor count"))?
+            .max(1) as usize;
         let kernels = compile(&ctx, major, minor)?;
         let free = [new_slot(&ctx)?, new_slot(&ctx)?].into();
         Ok(Self {
@@ -169,6 +223,7 @@ impl CudaBackend {
             staging: Mutex::new(Staging { free, allocated: 2 }),
             slot_returned: Condvar::new(),
             ordinal,
+            multiprocessors,
         })
     }
 
@@ -445,49 +500,62 @@ impl CudaBackend {
     /// `out[t, n] = sum_k a[t, k] * w[n, k]` on the device, bit-identical to [`crate::gemm::gemm`]
     /// (see kernels.cu). Returns `[T, n]` row-major on the host.
     fn device_gemm(&self, a: &MxMatrix, w: &BackendWeight<'_, Self>) -> Result<Vec<f32>, KernelError> {
-        let BackendWeight { elements, offset, n, k, scales, scales_layout: layout } = *w;
-        let c = k / mxfp8::BLOCK;
-        if !k.is_multiple_of(mxfp8::BLOCK) || a.k != k || offset + n * k > elements.len || !offset.is_multiple_of(16) {
-            return Err(KernelError::Shape(format!(
-                "device GEMM of [{}, {}] activations with a [{n}, {k}] weight at byte {offset} of {}",
-                a.rows, a.k, elements.len
-            )));
+        if a.k != w.k {
+            return Err(KernelError::Shape(format!("device GEMM of [{}, {}] activations with a [{}, {}] weight", a.rows, a.k, w.n, w.k)));
         }
-        let (mode, group, rows_per_group, need): (i32, usize, usize, usize) = match layout {
-            ScaleKind::RowMajor => (0, 0, 0, n * c),
-            ScaleKind::Swizzled128x4 => (1, 0, 0, layout::swizzled_len(n, c)),
-            ScaleKind::PackedUe8m0 { group, rows_per_group } => {
-                if rows_per_group != n || !c.is_multiple_of(4) {
-                    return Err(KernelError::Shape(format!("packed scales of {rows_per_group} rows for a weight of {n} rows")));
-                }
-                (2, group, rows_per_group, (group + 1) * rows_per_group * c)
-            }
-        };
-        if scales.len < need {
-            return Err(KernelError::Shape(format!("device GEMM scales hold {} bytes, need {need}", scales.len)));
-        }
-        if a.rows == 0 || n == 0 {
-            return Ok(vec![0f32; a.rows * n]);
+        GemmArgs::of(w)?;
+        if a.rows == 0 || w.n == 0 {
+            return Ok(vec![0f32; a.rows * w.n]);
         }
         let a_d = self.upload_new(&a.dequantize())?;
         // SAFETY: fully written by the kernel before it is read.
-        let mut out = unsafe { self.stream.alloc::<f32>(a.rows * n) }.map_err(dev("allocation"))?;
-        let w = self.mem(elements, "GEMM weight")?;
-        let w_view = w.try_slice(offset..).ok_or_else(|| KernelError::Shape(format!("weight offset {offset} out of range")))?;
-        let s = self.mem(scales, "GEMM scales")?;
-        let (t_u, n_u, k_u, g_u, r_u) = (a.rows as u64, n as u64, k as u64, group as u64, rows_per_group as u64);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(GEMM_THREADS as usize) as u32, a.rows.div_ceil(GEMM_TT) as u32, 1),
-            block_dim: (GEMM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = self.stream.launch_builder(&self.kernels.mx_gemm);
-        launch.arg(&a_d).arg(&t_u).arg(&w_view).arg(s).arg(&n_u).arg(&k_u).arg(&mode).arg(&g_u).arg(&r_u).arg(&mut out);
-        // SAFETY: matches `mx_gemm` in kernels.cu; sizes checked above.
-        unsafe { launch.launch(cfg) }.map_err(dev("mx_gemm launch"))?;
+        let mut out = unsafe { self.stream.alloc::<f32>(a.rows * w.n) }.map_err(dev("allocation"))?;
+        self.launch_gemm(&a_d, a.rows, w, &mut out)?;
         let host = self.stream.clone_dtoh(&out).map_err(dev("device-to-host copy"))?;
         self.synchronize()?;
         Ok(host)
+    }
+
+    /// Queues the GEMM of `t` dequantized activation rows already on the device into `out`
+    /// (`[t, n]` f32) on the compute stream; checks every size first.
+    pub(crate) fn launch_gemm(
+        &self,
+        a: &CudaSlice<f32>,
+        t: usize,
+        w: &BackendWeight<'_, Self>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let GemmArgs { mode, group, rows_per_group } = GemmArgs::of(w)?;
+        let BackendWeight { elements, offset, n, k, scales, .. } = *w;
+        if a.len() < t * k || out.len() < t * n {
+            return Err(KernelError::Shape(format!(
+                "device GEMM of [{t}, {k}] activations ({} floats on the device) into {} floats for a [{n}, {k}] weight",
+                a.len(),
+                out.len()
+            )));
+        }
+        if t == 0 || n == 0 {
+            return Ok(());
+        }
+        let tokens = gemm_tokens(t, n, self.multiprocessors);
+        let Some(groups) = u32::try_from(t.div_ceil(tokens)).ok().filter(|&g| g <= 65_535) else {
+            return Err(KernelError::Shape(format!("device GEMM of {t} tokens: at most {} in one launch", 65_535 * tokens)));
+        };
+        let kernel = &self.kernels.mx_gemm[GEMM_TOKENS.iter().position(|&x| x == tokens).expect("gemm_tokens picks one of them")];
+        let w_mem = self.mem(elements, "GEMM weight")?;
+        let w_view = w_mem.try_slice(offset..).ok_or_else(|| KernelError::Shape(format!("weight offset {offset} out of range")))?;
+        let s = self.mem(scales, "GEMM scales")?;
+        let (t_u, n_u, k_u) = (t as u64, n as u64, k as u64);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(GEMM_THREADS as usize) as u32, groups, 1),
+            block_dim: (GEMM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.stream.launch_builder(kernel);
+        launch.arg(a).arg(&t_u).arg(&w_view).arg(s).arg(&n_u).arg(&k_u).arg(&mode).arg(&group).arg(&rows_per_group).arg(out);
+        // SAFETY: matches `mx_gemm_t*` in kernels.cu; sizes checked above.
+        unsafe { launch.launch(cfg) }.map_err(dev("mx_gemm launch"))?;
+        Ok(())
     }
 
     /// Device-to-device copy of `src` into `dst` (the bandwidth yardstick of the benchmarks).
@@ -542,7 +610,7 @@ fn compile(ctx: &Arc<CudaContext>, major: i32, minor: i32) -> Result<Kernels, Ke
         unswizzle_128x4: f("unswizzle_128x4")?,
         pack_ue8m0: f("pack_ue8m0")?,
         unpack_ue8m0: f("unpack_ue8m0")?,
-        mx_gemm: f("mx_gemm")?,
+        mx_gemm: [f("mx_gemm_t1")?, f("mx_gemm_t2")?, f("mx_gemm_t4")?, f("mx_gemm_t8")?],
     })
 }
 
@@ -795,5 +863,25 @@ fn check_bf16(bytes: usize, rows: usize, k: usize, order: BlockOrder<'_>) -> Res
             Err(KernelError::Shape(format!("block permutation of {} blocks applied to {blocks} per row", p.len())))
         }
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemm_tokens;
+
+    /// The picks on an H200 (132 SMs) for the dsv41-flash TP 4 shapes, each the fastest or within
+    /// 7% of it in the kernel's timings there (wq_b 8192 rows, a wo_a group 1024, wo_b 5120).
+    #[test]
+    fn gemm_tokens_keep_two_warps_per_multiprocessor() {
+        let pick = |t, n| gemm_tokens(t, n, 132);
+        assert_eq!([1, 2, 4, 8, 16, 128].map(|t| pick(t, 8192)), [1, 1, 2, 4, 8, 8]);
+        assert_eq!([1, 2, 4, 8, 16, 128].map(|t| pick(t, 1024)), [1, 1, 1, 1, 1, 8]);
+        assert_eq!([1, 2, 4, 8, 16, 128].map(|t| pick(t, 5120)), [1, 1, 2, 4, 8, 8]);
+        // Never more tokens per thread than T rounded up to a power of two; 1 when nothing gives
+        // enough warps, and for no tokens at all.
+        assert_eq!([3, 5, 9].map(|t| pick(t, 1 << 20)), [4, 8, 8]);
+        assert_eq!(pick(1, 32), 1);
+        assert_eq!(pick(0, 8192), 1);
     }
 }

@@ -5,9 +5,12 @@
 //!   a plain copy from one large pinned buffer;
 //! - a device buffer's digest against XXH3-64 of the same bytes in host memory;
 //! - layout kernels: bytes moved per second against a device-to-device copy of the same bytes;
-//! - the MXFP8 GEMM: TFLOP/s on the dsv41-flash TP 4 shapes.
+//! - the MXFP8 GEMM on the dsv41-flash TP 4 shapes: the kernel's weight bytes per second
+//!   against DRAM's copy rate, and the whole call's TFLOP/s.
 
 use std::time::Instant;
+
+use cudarc::driver::sys::CUevent_flags;
 
 use crate::KernelError;
 use crate::backend::{Backend, BackendWeight, ScaleKind};
@@ -168,19 +171,54 @@ pub fn run(b: &CudaBackend, iters: usize) -> Result<Vec<Figure>, KernelError> {
     });
 
     // GEMMs, dsv41-flash TP 4: wq_b [8192, 1280], one wo_a group [1024, 4096], wo_b [5120, 2048].
+    // Two figures per shape and T:
+    // - the kernel alone, from events around each launch: weight bytes per second against a
+    //   device-to-device copy of 256 MiB (far past the 50 MB L2, so DRAM's rate). Each launch
+    //   reads the next of copies of the weight that together span 128 MiB, so that, like a
+    //   probe walking the layers, it finds its weight in DRAM rather than in L2;
+    // - the whole `mx_gemm` call (activation upload, launch, output download): TFLOP/s.
+    let dram = copy_gbps(256 << 20)?;
     for (name, n, k) in [("wq_b", 8192usize, 1280usize), ("wo_a group", 1024, 4096), ("wo_b", 5120, 2048)] {
         let elements: Vec<u8> = pattern(n * k, 7).into_iter().map(|x| x & 0x7E | (x & 0x80)).collect();
         let scales: Vec<u8> = pattern(n * k / 32, 8).into_iter().map(|x| 118 + x % 10).collect();
         let mut sw = Vec::new();
         layout::swizzle_128x4(&scales, n, k / 32, &mut sw)?;
-        let (mut de, mut ds) = (b.empty(), b.empty());
-        b.upload(&elements, &mut de)?;
-        b.upload(&sw, &mut ds)?;
-        let w = BackendWeight::<CudaBackend> { elements: &de, offset: 0, n, k, scales: &ds, scales_layout: ScaleKind::Swizzled128x4 };
-        for t in [1usize, 16, 128] {
+        let copies = (128usize << 20).div_ceil(n * k).max(2);
+        let mut weights = Vec::with_capacity(copies);
+        for _ in 0..copies {
+            let (mut de, mut ds) = (b.empty(), b.empty());
+            b.upload(&elements, &mut de)?;
+            b.upload(&sw, &mut ds)?;
+            weights.push((de, ds));
+        }
+        let weight = |i: usize| {
+            let (de, ds) = &weights[i % copies];
+            BackendWeight::<CudaBackend> { elements: de, offset: 0, n, k, scales: ds, scales_layout: ScaleKind::Swizzled128x4 }
+        };
+        for t in [1usize, 2, 4, 8, 16, 128] {
             let vals: Vec<f32> = (0..t * k).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01).collect();
             let a = MxMatrix::quantize(&vals, k, ScaleRule::Rceil)?;
-            let s = time(b, iters, || b.mx_gemm(&a, &w).map(|_| ()))?;
+            let a_d = b.stream().clone_htod(&a.dequantize()).map_err(dev)?;
+            let mut y = b.stream().alloc_zeros::<f32>(t * n).map_err(dev)?;
+            // One warm-up launch per copy, then `iters` timed ones (at least one per copy).
+            let launches = iters.max(copies);
+            let mut kernel_s = 0.0;
+            for i in 0..copies + launches {
+                let start = b.stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(dev)?;
+                b.launch_gemm(&a_d, t, &weight(i), &mut y)?;
+                let end = b.stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(dev)?;
+                if i >= copies {
+                    end.synchronize().map_err(dev)?;
+                    kernel_s += f64::from(start.elapsed_ms(&end).map_err(dev)?) / 1e3;
+                }
+            }
+            out.push(Figure {
+                name: format!("MXFP8 GEMM kernel {name} [{n}, {k}], T = {t}: weight bytes from DRAM"),
+                value: gbps(n * k, kernel_s / launches as f64),
+                unit: "GB/s",
+                baseline: Some(("DRAM copy".into(), dram)),
+            });
+            let s = time(b, iters, || b.mx_gemm(&a, &weight(0)).map(|_| ()))?;
             out.push(Figure {
                 name: format!("MXFP8 GEMM {name} [{n}, {k}], T = {t} (incl. activation upload, output download)"),
                 value: 2.0 * (t * n * k) as f64 / s / 1e12,

@@ -222,43 +222,211 @@ extern "C" __global__ void unpack_ue8m0(const u32* src, u32* dst, u64 groups, u6
 // `a` is the exact f32 dequantization of the MXFP8 activations [T, K]; w is E4M3 [N, K] with
 // scales in layout `mode`: 0 row-major [N, K/32]; 1 F8_128x4 swizzled; 2 DeepGEMM packed
 // UE8M0 of group `group` with `rows_per_group` rows. Each output accumulates its products in
-// f32 in increasing k, one product at a time, each rounded: exactly the CPU `gemm`.
-// Block: GEMM_THREADS outputs along N x GEMM_TT tokens.
-#define GEMM_TT 8
-extern "C" __global__ void mx_gemm(const float* a, u64 t_rows, const u8* w, const u8* scales, u64 n_rows, u64 k, int mode, u64 group,
-                                   u64 rows_per_group, float* out) {
-    __shared__ float as[GEMM_TT][32];
-    u64 n = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u64 t0 = (u64)blockIdx.y * GEMM_TT;
-    u64 c = k / 32;
-    float acc[GEMM_TT];
-    for (int j = 0; j < GEMM_TT; ++j) acc[j] = 0.0f;
-    for (u64 kb = 0; kb < c; ++kb) {
-        for (u32 i = threadIdx.x; i < GEMM_TT * 32; i += blockDim.x) {
-            u64 t = t0 + i / 32;
-            as[i / 32][i % 32] = t < t_rows ? a[t * k + kb * 32 + i % 32] : 0.0f;
-        }
-        __syncthreads();
-        if (n < n_rows) {
-            u8 sb;
-            if (mode == 0) sb = scales[n * c + kb];
-            else if (mode == 1) sb = scales[swizzle_offset(n, kb, c)];
-            else sb = scales[((group * (c / 4) + kb / 4) * rows_per_group + n) * 4 + kb % 4];
-            float s = e8m0_to_f32(sb);
-            const uint4* row = (const uint4*)(w + n * k + kb * 32);
-            uint4 lo = row[0], hi = row[1];
-            u32 words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-            for (int i = 0; i < 32; ++i) {
-                float wv = __fmul_rn(e4m3_to_f32((u8)(words[i / 4] >> (8 * (i % 4)))), s);
-                for (int j = 0; j < GEMM_TT; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(as[j][i], wv));
-            }
-        }
-        __syncthreads();
-    }
-    if (n < n_rows) {
-        for (int j = 0; j < GEMM_TT; ++j) {
-            u64 t = t0 + j;
-            if (t < t_rows) out[t * n_rows + n] = acc[j];
+// f32 in increasing k, one product at a time, each rounded: exactly the CPU `gemm`. That order
+// leaves one sequential chain per output, so the parallelism is N x T threads' worth at most:
+// - one thread per weight row n and group of TT tokens (blockIdx.y); TT is 1, 2, 4 or 8
+//   (mx_gemm_t1 .. mx_gemm_t8), chosen by the caller: more tokens per thread decode each weight
+//   for more of them, fewer give more warps; a block is one warp of GEMM_ROWS rows;
+// - K goes by stages of GEMM_U blocks (of 32), GEMM_STAGES of them in flight in shared memory:
+//   each thread copies its row's weights and scales, the block the stage's activations, all with
+//   asynchronous copies, so that a thread sums one stage while the next ones are on their way;
+// - a block's weights are decoded once for all TT tokens, without a branch per weight; a block
+//   that holds a NaN byte takes the plain decode instead;
+// - the loops over a stage's blocks stay a loop: unrolled, the code of a stage grows with its
+//   blocks, and an earlier kernel ran twice as long with 8 blocks per stage as with 4.
+// On an H200 this took the dsv41-flash TP 4 shapes from 89-272 us a GEMM at T = 1 (a thread per
+// row reading its weights and the activations from global memory, 128 rows a block) to 21-65
+// us; the bench (`orchestrator-worker bench-cuda`) prints the current figures.
+#define GEMM_ROWS 32
+#define GEMM_U 4
+#define GEMM_STAGES 4
+
+// Asynchronous copies from global to shared memory (cp.async, sm_80 and later): the thread goes
+// on while they run. copies_commit closes a group of them; copies_wait<N> waits until at most N
+// of the thread's groups are still running, and a barrier after it shows every thread's copies
+// to the whole block. (The host check defines these as plain copies, and so do GPUs before sm_80.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+// Before sm_80: plain copies (the barrier after copies_wait orders them the same way).
+__device__ __forceinline__ void copy16_async(void* shared, const void* global) { *(uint4*)shared = *(const uint4*)global; }
+__device__ __forceinline__ void copy4_async(void* shared, const void* global) { *(u32*)shared = *(const u32*)global; }
+__device__ __forceinline__ void copies_commit() {}
+template <int N>
+__device__ __forceinline__ void copies_wait() {}
+#elif !defined(KERNELS_ON_HOST)
+__device__ __forceinline__ void copy16_async(void* shared, const void* global) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((u32)__cvta_generic_to_shared(shared)), "l"(global) : "memory");
+}
+__device__ __forceinline__ void copy4_async(void* shared, const void* global) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((u32)__cvta_generic_to_shared(shared)), "l"(global) : "memory");
+}
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void copies_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#endif
+
+__device__ __forceinline__ u64 gemm_scale_index(u64 n, u64 kb, u64 c, int mode, u64 group, u64 rows_per_group) {
+    if (mode == 0) return n * c + kb;
+    if (mode == 1) return swizzle_offset(n, kb, c);
+    return ((group * (c / 4) + kb / 4) * rows_per_group + n) * 4 + kb % 4;
+}
+
+// The top bit of each of the four E4M3 bytes of `word` that is a NaN (low seven bits all set).
+__device__ __forceinline__ u32 e4m3_nan_bytes(u32 word) {
+    return ((word & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+}
+
+__device__ __forceinline__ float float4_lane(float4 v, int r) {
+    return r == 0 ? v.x : r == 1 ? v.y : r == 2 ? v.z : v.w;
+}
+
+// Byte r of `word` (an E4M3 that is not a NaN) as the f32 2^-120 * its value: its seven low bits
+// placed at f32 bit 20 (a normal E4M3 becomes a normal f32 with the exponent 120 lower, a
+// subnormal one a subnormal f32). Times `scale` * 2^120 it is __fmul_rn(e4m3_to_f32(byte),
+// scale) exactly, one rounding of the same product, when that factor is finite (a scale of at
+// most 2^7); else the product by 2^120 (exact) comes first.
+__device__ __forceinline__ float e4m3_scaled_down(u32 word, int r) {
+    u32 x = word << (24 - 8 * r);
+    return __uint_as_float((x & 0x80000000u) | ((x >> 4) & 0x07F00000u));
+}
+
+// Adds one block of 32 weights times the TT tokens' activations to the sums, in increasing k.
+// Each weight is its f32 value times the scale (weight(v), from e4m3_scaled_down), each product
+// and sum rounded.
+template <int TT, typename Weight>
+__device__ __forceinline__ void gemm_block(float (&acc)[TT], const u32 (&words)[8], const float4 (*act)[GEMM_U * 8], int u, Weight weight) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+        float4 av[TT];
+#pragma unroll
+        for (int j = 0; j < TT; ++j) av[j] = act[j][u * 8 + q];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            float wv = weight(e4m3_scaled_down(words[q], r));
+#pragma unroll
+            for (int j = 0; j < TT; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(float4_lane(av[j], r), wv));
         }
     }
 }
+
+// One stage in shared memory: GEMM_U blocks of each row's weights (a row padded by 16 bytes, so
+// that the 32 rows' 16-byte reads fall in different banks), their scale bytes (one word per row),
+// and GEMM_U blocks of 32 activations per token.
+// (A stage's scale bytes are one 4-byte word per row; a block has at most GEMM_ROWS threads.)
+static_assert(GEMM_U == 4, "a stage's scales are one word per row");
+template <int TT>
+struct GemmStage {
+    uint4 w[GEMM_ROWS][2 * GEMM_U + 1];
+    u32 scales[GEMM_ROWS];
+    float4 a[TT][GEMM_U * 8];
+};
+
+// Starts the copies of stage `kb0` (blocks kb0 .. kb0 + GEMM_U) into `st`: the thread's own row
+// (`lane`, row n) and its share of the activations. The scale bytes of a stage are one aligned
+// word in the swizzled and packed layouts (and row-major with a multiple of 4 blocks); other
+// row-major shapes read them one by one.
+template <int TT>
+__device__ __forceinline__ void gemm_stage_async(GemmStage<TT>& st, u32 lane, bool row_here, const u8* w_row, const u8* scales, u64 n,
+                                                 u64 c, int mode, u64 group, u64 rows_per_group, const float* a, u64 t0, u64 t_rows,
+                                                 u64 k, u64 kb0) {
+    if (row_here) {
+        for (int u = 0; u < GEMM_U; ++u) {
+            u64 kb = kb0 + u;
+            if (kb < c) {
+                copy16_async(&st.w[lane][2 * u], w_row + kb * 32);
+                copy16_async(&st.w[lane][2 * u + 1], w_row + kb * 32 + 16);
+            }
+        }
+        if (kb0 < c) {
+            if (mode != 0 || c % 4 == 0) {
+                copy4_async(&st.scales[lane], scales + gemm_scale_index(n, kb0, c, mode, group, rows_per_group));
+            } else {
+                u32 word = 0;
+                for (int u = 0; u < GEMM_U && kb0 + u < c; ++u) word |= (u32)scales[n * c + kb0 + u] << (8 * u);
+                st.scales[lane] = word;
+            }
+        }
+    }
+    for (u32 i = threadIdx.x; i < TT * GEMM_U * 8; i += blockDim.x) {
+        u32 j = i / (GEMM_U * 8), q = i % (GEMM_U * 8);
+        u64 kb = kb0 + q / 8;
+        u64 t = t0 + j < t_rows ? t0 + j : t_rows - 1;
+        if (kb < c) copy16_async(&st.a[j][q], a + t * k + kb * 32 + (q % 8) * 4);
+    }
+    copies_commit();
+}
+
+template <int TT>
+__device__ __forceinline__ void mx_gemm_rows(const float* a, u64 t_rows, const u8* w, const u8* scales, u64 n_rows, u64 k, int mode,
+                                             u64 group, u64 rows_per_group, float* out) {
+    __shared__ GemmStage<TT> stages[GEMM_STAGES];
+    u32 lane = threadIdx.x;
+    u64 n = (u64)blockIdx.x * blockDim.x + lane;
+    u64 t0 = (u64)blockIdx.y * TT;
+    // A thread past the last row still copies activations and meets the barriers.
+    bool row_here = n < n_rows;
+    u64 c = k / 32;
+    const u8* w_row = w + (row_here ? n : 0) * k;
+    float acc[TT];
+#pragma unroll
+    for (int j = 0; j < TT; ++j) acc[j] = 0.0f;
+    u64 n_stages = (c + GEMM_U - 1) / GEMM_U;
+    for (int p = 0; p < GEMM_STAGES - 1; ++p)
+        gemm_stage_async<TT>(stages[p], lane, row_here, w_row, scales, n, c, mode, group, rows_per_group, a, t0, t_rows, k, (u64)p * GEMM_U);
+    for (u64 i = 0; i < n_stages; ++i) {
+        // Stage i is in; every thread is done with stage i - 1, whose buffer takes stage
+        // i + GEMM_STAGES - 1 (an empty group past the end keeps the count).
+        copies_wait<GEMM_STAGES - 2>();
+        __syncthreads();
+        gemm_stage_async<TT>(stages[(i + GEMM_STAGES - 1) % GEMM_STAGES], lane, row_here, w_row, scales, n, c, mode, group,
+                             rows_per_group, a, t0, t_rows, k, (i + GEMM_STAGES - 1) * GEMM_U);
+        const GemmStage<TT>& st = stages[i % GEMM_STAGES];
+        if (!row_here) continue;
+        u32 scale_word = st.scales[lane];
+#pragma unroll 1
+        for (int u = 0; u < GEMM_U; ++u) {
+            u64 kb = i * GEMM_U + u;
+            if (kb >= c) break;
+            uint4 lo = st.w[lane][2 * u], hi = st.w[lane][2 * u + 1];
+            u32 words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+            u8 sb = (u8)(scale_word >> (8 * u));
+            float s = e8m0_to_f32(sb);
+            u32 nan = 0;
+#pragma unroll
+            for (int q = 0; q < 8; ++q) nan |= e4m3_nan_bytes(words[q]);
+            if (nan != 0) {
+#pragma unroll 1
+                for (int e = 0; e < 32; ++e) {
+                    float wv = __fmul_rn(e4m3_to_f32(((const u8*)&st.w[lane][2 * u])[e]), s);
+                    const float* ae = (const float*)&st.a[0][u * 8] + e;
+#pragma unroll
+                    for (int j = 0; j < TT; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(ae[j * GEMM_U * 32], wv));
+                }
+            } else if (sb <= 134) {
+                // One product per weight (a branch per block: one per weight kept the compiler
+                // from overlapping one weight's work with the next).
+                float s_2p120 = pow2((int)sb - 7);
+                gemm_block<TT>(acc, words, st.a, u, [=](float v) { return __fmul_rn(v, s_2p120); });
+            } else {
+                gemm_block<TT>(acc, words, st.a, u, [=](float v) { return __fmul_rn(__fmul_rn(v, __uint_as_float(0x7B800000u)), s); });
+            }
+        }
+    }
+    if (row_here) {
+#pragma unroll
+        for (int j = 0; j < TT; ++j) {
+            if (t0 + j < t_rows) out[(t0 + j) * n_rows + n] = acc[j];
+        }
+    }
+}
+
+#define MX_GEMM(TT)                                                                                                              \
+    extern "C" __global__ void mx_gemm_t##TT(const float* a, u64 t_rows, const u8* w, const u8* scales, u64 n_rows, u64 k, int mode, \
+                                             u64 group, u64 rows_per_group, float* out) {                                        \
+        mx_gemm_rows<TT>(a, t_rows, w, scales, n_rows, k, mode, group, rows_per_group, out);                                    \
+    }
+MX_GEMM(1)
+MX_GEMM(2)
+MX_GEMM(4)
+MX_GEMM(8)
