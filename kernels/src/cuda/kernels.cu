@@ -234,9 +234,9 @@ extern "C" __global__ void unpack_ue8m0(const u32* src, u32* dst, u64 groups, u6
 //   that holds a NaN byte takes the plain decode instead;
 // - the loops over a stage's blocks stay a loop: unrolled, the code of a stage grows with its
 //   blocks, and an earlier kernel ran twice as long with 8 blocks per stage as with 4.
-// On an H200 this took the dsv41-flash TP 4 shapes from 89-272 us a GEMM at T = 1 (a thread per
-// row reading its weights and the activations from global memory, 128 rows a block) to 21-65
-// us; the bench (`orchestrator-worker bench-cuda`) prints the current figures.
+// On an H200 this took the dsv41-flash TP 4 shapes from 89-272 us a GEMM at T = 1 (a first
+// rewrite: a thread per row reading its weights and the activations from global memory) to
+// 21-65 us; the bench (`orchestrator-worker bench-cuda`) prints the current figures.
 #define GEMM_ROWS 32
 #define GEMM_U 4
 #define GEMM_STAGES 4
