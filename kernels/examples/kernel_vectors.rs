@@ -14,7 +14,7 @@ use orchestrator_kernels::gemm::{MxMatrix, ScaleView, WeightView, gemm};
 use orchestrator_kernels::permutation::{BlockOrder, O_CHUNK, Permutation, gather_runs};
 use orchestrator_kernels::{KernelError, ScaleRule, backend, layout, mxfp8};
 
-use orchestrator_kernels::testdata::splitmix_bytes as bytes;
+use orchestrator_kernels::testdata::{gemm_edge_scales, gemm_edge_weights, splitmix_bytes as bytes};
 
 fn bf16_values(rows: usize, k: usize, seed: u64) -> Vec<u8> {
     let r = bytes(rows * k * 4, seed);
@@ -212,15 +212,8 @@ fn main() {
     // thread loads at once (the packed layout needs multiples of 4: 68 rows, 12 blocks).
     for (mode, n, k, t) in [(0u64, 70usize, 224usize, 5usize), (1, 70, 416, 3), (2, 68, 384, 6)] {
         let c = k / 32;
-        // NaN weights only in rows 3, 13, ...; scales past 2^108 (where sums can overflow) and
-        // the NaN scale only in rows 7, 17, ...: the other rows' outputs stay finite.
-        let elements: Vec<u8> = (0..n * k)
-            .map(|i| match (i * 113 + i / k) as u8 {
-                b if b & 0x7F == 0x7F && (i / k) % 10 != 3 => b - 1,
-                b => b,
-            })
-            .collect();
-        let scales: Vec<u8> = (0..n * c).map(|i| if (i / c) % 10 == 7 { (i * 97 + 5) as u8 } else { (i * 97 + 5) as u8 % 236 }).collect();
+        let elements = gemm_edge_weights(n, k);
+        let scales = gemm_edge_scales(n, c);
         let values: Vec<f32> = bytes(t * k, 40 + mode).iter().map(|&b| (b as f32 - 127.5) * 0.0173).collect();
         let a = MxMatrix::quantize(&values, k, ScaleRule::Rceil).unwrap();
         let mut layout_bytes = Vec::new();

@@ -20,7 +20,7 @@ fn gpu() -> Option<CudaBackend> {
     Some(CudaBackend::new(0).expect("CUDA backend on device 0"))
 }
 
-use orchestrator_kernels::testdata::splitmix_bytes as bytes;
+use orchestrator_kernels::testdata::{gemm_edge_scales, gemm_edge_weights, splitmix_bytes as bytes};
 
 /// Random BF16 values over every binade (zeros, subnormals, values that saturate under floor),
 /// with a random exponent window per 32-block so that scales vary widely.
@@ -270,13 +270,8 @@ fn gemm_matches_cpu_on_every_weight_and_scale_byte() {
     let Some(g) = gpu() else { return };
     for (n, k, t) in [(70usize, 224usize, 5usize), (70, 416, 3), (68, 384, 16), (70, 224, 1)] {
         let c = k / 32;
-        let elements: Vec<u8> = (0..n * k)
-            .map(|i| match (i * 113 + i / k) as u8 {
-                b if b & 0x7F == 0x7F && (i / k) % 10 != 3 => b - 1,
-                b => b,
-            })
-            .collect();
-        let scales: Vec<u8> = (0..n * c).map(|i| if (i / c) % 10 == 7 { (i * 97 + 5) as u8 } else { (i * 97 + 5) as u8 % 236 }).collect();
+        let elements = gemm_edge_weights(n, k);
+        let scales = gemm_edge_scales(n, c);
         let values: Vec<f32> = bytes(t * k, 40).iter().map(|&b| (b as f32 - 127.5) * 0.0173).collect();
         let a = MxMatrix::quantize(&values, k, ScaleRule::Rceil).unwrap();
         let (mut sw, mut packed) = (Vec::new(), Vec::new());
