@@ -221,11 +221,11 @@ pub fn probe_rank_with<B: Backend + Sync>(
         (true, Some(c)) => c.lock().unwrap_or_else(|p| p.into_inner()).get(&key),
         _ => None,
     };
+    // A checked probe that found no kept reference computes it: it borrows the cache's scratch
+    // buffers, and gives them back and keeps what it computed at the end.
+    let computes_reference = check && kept.is_none();
     let mut computed = Vec::new();
-    let mut scratch = match (check, &kept) {
-        (true, None) => ReferenceCache::scratch(cache),
-        _ => ReferenceScratch::default(),
-    };
+    let mut scratch = if computes_reference { ReferenceCache::scratch(cache) } else { ReferenceScratch::default() };
     let mut layers = Vec::new();
     let mut y_partial = Vec::new();
     let (mut kernel_s, mut reference_s) = (0.0, 0.0);
@@ -262,10 +262,11 @@ pub fn probe_rank_with<B: Backend + Sync>(
         }
         y_partial.extend_from_slice(&kernel.y_partial);
     }
-    if let (true, None) = (check, &kept) {
+    if computes_reference {
         ReferenceCache::keep(cache, scratch);
     }
-    if let (Some(c), true, None) = (cache, check, &kept)
+    if let Some(c) = cache
+        && computes_reference
         && computed.len() == weights.layers.len()
     {
         c.lock().unwrap_or_else(|p| p.into_inner()).put(key, computed);
