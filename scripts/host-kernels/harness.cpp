@@ -80,8 +80,8 @@ int main(int argc, char** argv) {
                     }
             }
             want = {want[0], want[0], want[0], want[0]};
-            // A NaN is compared as a NaN, whatever its sign and payload: the CPU backend's
-            // and this host's float units propagate NaN bits differently.
+            // A NaN is compared as a NaN, whatever its sign and payload: which NaN operand an
+            // operation passes on differs between the variants (and from the CPU backend).
             for (auto* v : {&want, &out})
                 for (auto& b : *v)
                     for (size_t f = 0; f + 4 <= b.size(); f += 4)

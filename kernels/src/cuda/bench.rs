@@ -173,7 +173,7 @@ pub fn run(b: &CudaBackend, iters: usize) -> Result<Vec<Figure>, KernelError> {
     // GEMMs, dsv41-flash TP 4: wq_b [8192, 1280], one wo_a group [1024, 4096], wo_b [5120, 2048].
     // Two figures per shape and T:
     // - the kernel alone, from events around each launch: weight bytes per second against a
-    //   device-to-device copy of 256 MiB (far past the 50 MB L2, so DRAM's rate). Each launch
+    //   device-to-device copy of 256 MiB (far past the H200's 60 MB L2, so DRAM's rate). Each launch
     //   reads the next of copies of the weight that together span 128 MiB, so that, like a
     //   probe walking the layers, it finds its weight in DRAM rather than in L2;
     // - the whole `mx_gemm` call (activation upload, launch, output download): TFLOP/s.
