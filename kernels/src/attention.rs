@@ -21,22 +21,63 @@ pub fn rope(x: &mut [f32], pos: usize, inverse: bool) {
     }
 }
 
+/// The latents `kv [s, d]` also stored by column (`[d, s]`), built once per probe layer and
+/// shared by every (token, head): with a query's dot products with all `s` latents summed side
+/// by side over `d`, each sum still adds its products in increasing `d` (the same bits as one
+/// sum at a time), but the sums are independent and vectorize, where one sum at a time waits
+/// on the previous add for each of its `d` products.
+pub struct Latents<'a> {
+    kv: &'a [f32],
+    d: usize,
+    s: usize,
+    columns: Vec<f32>,
+}
+
+impl<'a> Latents<'a> {
+    /// `kv [s, d]` row-major (a trailing partial row is ignored, as `chunks_exact` would).
+    pub fn new(kv: &'a [f32], d: usize) -> Self {
+        let s = kv.len() / d.max(1);
+        let mut columns = vec![0f32; s * d];
+        for (j, row) in kv.chunks_exact(d.max(1)).take(s).enumerate() {
+            for (i, &x) in row.iter().enumerate() {
+                columns[i * s + j] = x;
+            }
+        }
+        Self { kv, d, s, columns }
+    }
+}
+
 /// Attention of one query head over `s` latents `kv [s, d]` with softmax scale `scale` and
 /// sink logit `sink`: the softmax denominator gets an extra `exp(sink - max)`. Returns `[d]`.
 pub fn attend(q: &[f32], kv: &[f32], d: usize, scale: f32, sink: f32) -> Vec<f32> {
-    let s = kv.len() / d.max(1);
-    let logits: Vec<f32> = kv.chunks_exact(d).map(|k| q.iter().zip(k).fold(0f32, |acc, (a, b)| acc + a * b) * scale).collect();
+    attend_latents(q, &Latents::new(kv, d), scale, sink)
+}
+
+/// [`attend`] over latents already laid out by [`Latents::new`]. Each logit is
+/// `(((0 + q0 k0) + q1 k1) + ...) * scale`, every product and sum rounded, in increasing `d`.
+pub fn attend_latents(q: &[f32], latents: &Latents<'_>, scale: f32, sink: f32) -> Vec<f32> {
+    let Latents { kv, d, s, ref columns } = *latents;
+    let mut logits = vec![0f32; s];
+    if s > 0 {
+        for (&qi, column) in q.iter().take(d).zip(columns.chunks_exact(s)) {
+            for (l, &k) in logits.iter_mut().zip(column) {
+                *l += qi * k;
+            }
+        }
+    }
+    for l in &mut logits {
+        *l *= scale;
+    }
     let max = logits.iter().copied().fold(sink, f32::max);
     let weights: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
     let denom = weights.iter().fold((sink - max).exp(), |acc, w| acc + w);
     let mut out = vec![0f32; d];
-    for (w, v) in weights.iter().zip(kv.chunks_exact(d)) {
+    for (w, v) in weights.iter().zip(kv.chunks_exact(d.max(1))) {
         let p = w / denom;
         for (o, x) in out.iter_mut().zip(v) {
             *o += p * x;
         }
     }
-    debug_assert_eq!(weights.len(), s);
     out
 }
 
@@ -60,6 +101,47 @@ mod tests {
         let mut y = orig.clone();
         rope(&mut y, 0, false);
         assert_eq!(y, orig, "position 0 does not rotate");
+    }
+
+    /// The attention as it was written first: one dot product at a time.
+    fn attend_one_sum_at_a_time(q: &[f32], kv: &[f32], d: usize, scale: f32, sink: f32) -> Vec<f32> {
+        let logits: Vec<f32> = kv.chunks_exact(d).map(|k| q.iter().zip(k).fold(0f32, |acc, (a, b)| acc + a * b) * scale).collect();
+        let max = logits.iter().copied().fold(sink, f32::max);
+        let weights: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+        let denom = weights.iter().fold((sink - max).exp(), |acc, w| acc + w);
+        let mut out = vec![0f32; d];
+        for (w, v) in weights.iter().zip(kv.chunks_exact(d)) {
+            let p = w / denom;
+            for (o, x) in out.iter_mut().zip(v) {
+                *o += p * x;
+            }
+        }
+        out
+    }
+
+    proptest::proptest! {
+        /// Summing the logits side by side gives the bits of summing them one at a time, for
+        /// any latent count and width (the probe's are 512 wide), with values of mixed
+        /// magnitude below 2 (logits of a few units, so that no softmax weight saturates and
+        /// every logit's bits reach the output).
+        #[test]
+        fn latents_side_by_side_are_the_one_at_a_time_bits(
+            s in 0usize..40,
+            d in 1usize..70,
+            seed in 0u64..u64::MAX,
+            sink in -4f32..4.0,
+        ) {
+            let bytes = crate::testdata::splitmix_bytes(4 * (s * d + d), seed);
+            let vals: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|b| (i16::from_le_bytes([b[0], b[1]]) as f32 / 32768.0) * 2f32.powi(i32::from(b[2] % 6) - 4))
+                .collect();
+            let (q, kv) = vals.split_at(d);
+            let scale = (d as f32).powf(-0.5);
+            let want = attend_one_sum_at_a_time(q, kv, d, scale, sink);
+            let got = attend(q, kv, d, scale, sink);
+            proptest::prop_assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        }
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! 6. `z [T, g*o_lora]` MXFP8-quantized, `y_partial = z @ wo_b_local^T` `[T, hidden]`.
 
 use crate::KernelError;
-use crate::attention::{attend, rope};
+use crate::attention::{Latents, attend_latents, rope};
 use crate::gemm::{MxMatrix, WeightView, gemm};
 use crate::mxfp8::ScaleRule;
 use crate::permutation::{HEADS_PER_GROUP, Permutation, Q_CHUNK};
@@ -137,11 +137,12 @@ pub fn forward_with(
     // Attention per (token, head) on the standard head view of q.
     let scale = (head_dim as f32).powf(-0.5);
     let mut o = vec![0f32; t_rows * n_q]; // standard layout [T, heads, head_dim]
+    let latents = Latents::new(&inputs.kv, head_dim);
     for t in 0..t_rows {
         for h in 0..heads {
             let mut qh: Vec<f32> = (0..head_dim).map(|d| q[t * n_q + q_column(layouts, heads, head_dim, h, d)]).collect();
             rope(&mut qh[head_dim - rope_dim..], t, false);
-            let mut oh = attend(&qh, &inputs.kv, head_dim, scale, attn_sink[h]);
+            let mut oh = attend_latents(&qh, &latents, scale, attn_sink[h]);
             rope(&mut oh[head_dim - rope_dim..], t, true);
             o[t * n_q + h * head_dim..t * n_q + (h + 1) * head_dim].copy_from_slice(&oh);
         }
