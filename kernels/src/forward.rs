@@ -16,6 +16,7 @@ use crate::attention::{Latents, attend_latents, rope};
 use crate::gemm::{MxMatrix, WeightView, gemm};
 use crate::mxfp8::ScaleRule;
 use crate::permutation::{HEADS_PER_GROUP, Permutation, Q_CHUNK};
+use rayon::prelude::*;
 
 /// The rank-local dims of one probe.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,17 +137,17 @@ pub fn forward_with(
 
     // Attention per (token, head) on the standard head view of q.
     let scale = (head_dim as f32).powf(-0.5);
+    // Each (token, head) writes its own slice of `o`, so they run on all cores with the same bits.
     let mut o = vec![0f32; t_rows * n_q]; // standard layout [T, heads, head_dim]
     let latents = Latents::new(&inputs.kv, head_dim);
-    for t in 0..t_rows {
-        for h in 0..heads {
-            let mut qh: Vec<f32> = (0..head_dim).map(|d| q[t * n_q + q_column(layouts, heads, head_dim, h, d)]).collect();
-            rope(&mut qh[head_dim - rope_dim..], t, false);
-            let mut oh = attend_latents(&qh, &latents, scale, attn_sink[h]);
-            rope(&mut oh[head_dim - rope_dim..], t, true);
-            o[t * n_q + h * head_dim..t * n_q + (h + 1) * head_dim].copy_from_slice(&oh);
-        }
-    }
+    o.par_chunks_mut(head_dim.max(1)).enumerate().for_each(|(i, out)| {
+        let (t, h) = (i / heads, i % heads);
+        let mut qh: Vec<f32> = (0..head_dim).map(|d| q[t * n_q + q_column(layouts, heads, head_dim, h, d)]).collect();
+        rope(&mut qh[head_dim - rope_dim..], t, false);
+        let mut oh = attend_latents(&qh, &latents, scale, attn_sink[h]);
+        rope(&mut oh[head_dim - rope_dim..], t, true);
+        out.copy_from_slice(&oh);
+    });
 
     // wo_a per group, on O in the layout its weight expects.
     let group_cols = HEADS_PER_GROUP * head_dim;
