@@ -34,9 +34,10 @@ pub struct Latents<'a> {
 }
 
 impl<'a> Latents<'a> {
-    /// `kv [s, d]` row-major (a trailing partial row is ignored, as `chunks_exact` would).
+    /// `kv [s, d]` row-major (a trailing partial row is ignored, as `chunks_exact` would; no
+    /// latents at all when `d` is 0).
     pub fn new(kv: &'a [f32], d: usize) -> Self {
-        let s = kv.len() / d.max(1);
+        let s = kv.len().checked_div(d).unwrap_or(0);
         let mut columns = vec![0f32; s * d];
         for (j, row) in kv.chunks_exact(d.max(1)).take(s).enumerate() {
             for (i, &x) in row.iter().enumerate() {
@@ -142,6 +143,11 @@ mod tests {
             let got = attend(q, kv, d, scale, sink);
             proptest::prop_assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
         }
+    }
+
+    #[test]
+    fn zero_width_heads_attend_to_nothing() {
+        assert_eq!(attend(&[], &[1.0, 2.0], 0, 1.0, 0.0), Vec::<f32>::new());
     }
 
     #[test]
