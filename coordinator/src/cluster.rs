@@ -582,7 +582,14 @@ impl Cluster {
         shadow: bool,
         skip_reference: bool,
     ) -> RankResults<pb::ProbeResult> {
-        self.probe_phase(group, probe, shadow, skip_reference, pb::ProbePhase::Whole).await
+        self.probe_phase(group, probe, shadow, skip_reference, pb::ProbePhase::Whole, false).await
+    }
+
+    /// The probe of replica `dp` right after its commit, answered by each rank from the
+    /// verification probe it kept of the staged weights it committed (see `kept` in the proto):
+    /// nothing computed, no ring, no group lock. A rank that kept none refuses, at once.
+    pub async fn probe_kept(&self, dp: u32, probe: (u32, u32, u64), skip_reference: bool) -> RankResults<pb::ProbeResult> {
+        self.probe_phase(Some(dp), probe, false, skip_reference, pb::ProbePhase::Whole, true).await
     }
 
     /// The verification probe of what replica `dp` staged, in its two halves: every rank runs
@@ -591,15 +598,16 @@ impl Cluster {
     /// serving meanwhile, and its routed probes never wait for a verification that computes
     /// below their priority.
     pub async fn probe_staged(&self, dp: u32, probe: (u32, u32, u64), skip_reference: bool) -> RankResults<pb::ProbeResult> {
-        let computed = self.probe_phase(Some(dp), probe, true, skip_reference, pb::ProbePhase::Compute).await;
+        let computed = self.probe_phase(Some(dp), probe, true, skip_reference, pb::ProbePhase::Compute, false).await;
         if computed.values().any(Result::is_err) {
             return computed;
         }
-        self.probe_phase(Some(dp), probe, true, skip_reference, pb::ProbePhase::Reduce).await
+        self.probe_phase(Some(dp), probe, true, skip_reference, pb::ProbePhase::Reduce, false).await
     }
 
     /// One phase of a probe on each group: a whole probe or a reduce holds the group lock and
-    /// uses the ring of its epoch; a compute needs neither (the ring fields go unused).
+    /// uses the ring of its epoch; a compute, or a kept probe, needs neither (the ring fields go
+    /// unused).
     async fn probe_phase(
         &self,
         group: Option<u32>,
@@ -607,9 +615,10 @@ impl Cluster {
         shadow: bool,
         skip_reference: bool,
         phase: pb::ProbePhase,
+        kept: bool,
     ) -> RankResults<pb::ProbeResult> {
         let groups: Vec<u32> = (0..self.dp).filter(|dp| group.is_none_or(|g| g == *dp)).collect();
-        let ring = phase != pb::ProbePhase::Compute;
+        let ring = phase != pb::ProbePhase::Compute && !kept;
         let per_group = groups.into_iter().map(|dp| async move {
             let _guard = if ring { Some(self.group_locks[dp as usize].lock().await) } else { None };
             let peers: Vec<String> = self.workers.iter().filter(|w| w.dp == dp).map(|w| w.collective.clone()).collect();
@@ -631,6 +640,7 @@ impl Cluster {
                             nccl_unique_id: nccl.clone(),
                             ring_epoch: epoch,
                             phase: phase.into(),
+                            kept,
                         },
                         PROBE_DEADLINE,
                         Some(&self.token),

@@ -156,7 +156,18 @@ async fn reinstate(
     by_update: bool,
 ) -> Result<(String, RankResults<pb::ProbeResult>), String> {
     let skip_reference = matches!(proof, Proof::SameAsStaged { reference: false, .. });
-    let results = cluster.probe_in(Some(dp), (spec.tokens as u32, spec.latents as u32, spec.seed), false, skip_reference).await;
+    let spec_ = (spec.tokens as u32, spec.latents as u32, spec.seed);
+    // Right after a commit every rank answers from the verification probe it kept of the very
+    // weights it committed (the same probe, judged the same way below); when any rank kept none
+    // (it restarted, or restaged after the probe), the group computes the probe again.
+    let kept = match proof {
+        Proof::SameAsStaged { .. } => Some(cluster.probe_kept(dp, spec_, skip_reference).await).filter(|r| r.values().all(Result::is_ok)),
+        Proof::Verified => None,
+    };
+    let results = match kept {
+        Some(results) => results,
+        None => cluster.probe_in(Some(dp), spec_, false, skip_reference).await,
+    };
     let (version, y) = judge_probe(&results)?;
     rotation.observed_version(dp, &version);
     if let Proof::SameAsStaged { version: want, y: want_y, .. } = proof
@@ -770,10 +781,17 @@ impl Roll<'_> {
                     let reinstate_s = t.elapsed().as_secs_f64();
                     let back = match reinstated {
                         Ok((_, results)) => {
-                            let results = results.into_iter().filter_map(|(id, r)| r.ok().map(|p| (id, p))).collect();
+                            let results: BTreeMap<u32, pb::ProbeResult> =
+                                results.into_iter().filter_map(|(id, r)| r.ok().map(|p| (id, p))).collect();
+                            let answered_kept = results.values().all(|p| p.kept);
                             let kept = SwapProbe { spec: self.probe, reference, results };
                             swap_probes.lock().unwrap_or_else(|p| p.into_inner()).insert(dp, kept);
-                            String::new()
+                            match answered_kept {
+                                true => {
+                                    " (every rank answered with the verification probe it kept of the weights it committed)".to_string()
+                                }
+                                false => " (computed again: a rank had not kept its verification probe)".to_string(),
+                            }
                         }
                         Err(why) => {
                             rotation.pull(dp, &format!("its probe after the commit failed: {why}"));

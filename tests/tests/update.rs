@@ -23,8 +23,13 @@ fn rolling_update_with_probes(tp: &str, dp: &str, max_unavailable: &str) {
     // A lone replica swaps while it serves (there is nothing to drain it for); others leave
     // rotation for their swap.
     let swap = if dp == "1" { "the only replica: serving through the swap" } else { "out of rotation (its routed probes answered in" };
+    // Back in rotation on the verification probe every rank kept of the weights it committed,
+    // not on a probe computed again.
+    let kept = "probed back in";
+    let kept_by_every_rank = "(every rank answered with the verification probe it kept of the weights it committed)";
     for step in update["update"]["steps"].as_array().unwrap().iter().filter_map(|s| s.as_str()).filter(|s| s.starts_with("replica dp")) {
         assert!(step.contains(swap), "{step}");
+        assert!(step.contains(kept) && step.contains(kept_by_every_rank), "{step}");
     }
     let probes = load.wait_with_output().unwrap();
     let probes: Value =

@@ -91,6 +91,12 @@ struct State {
     committed_round_trip: Option<(u64, crate::roundtrip::RoundTrip)>,
     /// The first half of a verification probe of the staged weights, for its second.
     computed: Option<Computed>,
+    /// The last verification probe of the staged weights, reduced: for the probe right after
+    /// their commit ([`pb::ProbeRequest::kept`]).
+    verified_probe: Option<(std::sync::Weak<RankWeights<AnyBackend>>, KeptProbe)>,
+    /// The verification probe of the staged weights the active ones were committed from, and
+    /// their generation: it answers the probe after the commit while the generation is the same.
+    committed_probe: Option<(u64, KeptProbe)>,
 }
 
 /// A version staged beside the active weights.
@@ -144,6 +150,25 @@ struct Computed {
     probe: ComputedProbe,
 }
 
+/// A verification probe of staged weights, all-reduced, kept by the rank so that the probe
+/// right after their commit (the same probe of the very same weights, which nothing writes
+/// between the two) is answered from it rather than computed again: which probe, with or
+/// without the reference, this rank's passes and its group's `y`.
+struct KeptProbe {
+    spec: ProbeSpec,
+    check: bool,
+    probe: ComputedProbe,
+    y_digest: String,
+    allreduce_seconds: f64,
+}
+
+impl KeptProbe {
+    /// The answer to a probe after the commit (`generation`: the committed weights').
+    fn answer(&self, st: &State, generation: u64) -> pb::ProbeResult {
+        pb::ProbeResult { generation, kept: true, ..answer_of(st, &self.probe, self.y_digest.clone(), self.allreduce_seconds) }
+    }
+}
+
 /// Runs this rank's passes of `spec` on `w` (`check`: against the reference, kept in `cache`).
 fn compute_probe(
     backend: &AnyBackend,
@@ -185,12 +210,13 @@ fn answer_of(st: &State, c: &ComputedProbe, y_digest: String, allreduce_seconds:
         layers: p.layers.len() as u32,
         generation: c.generation,
         pid: std::process::id(),
+        kept: false,
     }
 }
 
 /// The TP all-reduce of a probe's `y_partial` (in rank order) over the group's ring, or NCCL,
 /// and the answer.
-fn reduce_and_answer(st: &mut State, backend: &AnyBackend, r: &pb::ProbeRequest, c: ComputedProbe) -> Result<pb::ProbeResult, Status> {
+fn reduce_and_answer(st: &mut State, backend: &AnyBackend, r: &pb::ProbeRequest, c: &ComputedProbe) -> Result<pb::ProbeResult, Status> {
     let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
     let (tp_rank, tp_size) = (plan.tp_rank, plan.tp_size);
     let started = Instant::now();
@@ -222,7 +248,21 @@ fn reduce_and_answer(st: &mut State, backend: &AnyBackend, r: &pb::ProbeRequest,
     } else {
         LocalCollective.all_reduce_sum(&mut y).map_err(|e| Status::internal(e.to_string()))?;
     }
-    Ok(answer_of(st, &c, Digest::of_f32(&y).hex(), started.elapsed().as_secs_f64()))
+    Ok(answer_of(st, c, Digest::of_f32(&y).hex(), started.elapsed().as_secs_f64()))
+}
+
+/// Keeps the reduced verification probe `c` (answered with `answer`) of the staged weights
+/// `weights` for the probe after their commit.
+fn keep_verified(
+    st: &mut State,
+    weights: std::sync::Weak<RankWeights<AnyBackend>>,
+    spec: ProbeSpec,
+    check: bool,
+    c: ComputedProbe,
+    answer: &pb::ProbeResult,
+) {
+    let kept = KeptProbe { spec, check, probe: c, y_digest: answer.y_digest.clone(), allreduce_seconds: answer.allreduce_seconds };
+    st.verified_probe = Some((weights, kept));
 }
 
 /// The worker service.
@@ -602,6 +642,7 @@ impl WorkerService {
                     } else {
                         st.weights = Some(Arc::new(w));
                         st.committed_round_trip = None;
+                        st.committed_probe = None;
                         st.load_seconds = seconds;
                         st.load_path = path;
                         if let Some(p) = st.plan.as_mut() {
@@ -766,6 +807,7 @@ impl Worker for WorkerService {
             }
             let Staged { weights, source, path, seconds, round_trip } =
                 st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
+            let staged_at = Arc::as_ptr(&weights);
             let mut w = match Arc::try_unwrap(weights) {
                 Ok(w) => w,
                 Err(weights) => {
@@ -778,6 +820,10 @@ impl Worker for WorkerService {
             st.computed = None;
             w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
             st.committed_round_trip = round_trip.map(|rt| (w.generation, rt));
+            // The verification probe kept for these very weights (a `Weak` keeps its allocation,
+            // so no later weights can share the address) answers the probe after the commit.
+            st.committed_probe =
+                st.verified_probe.take().filter(|(kept, _)| std::ptr::eq(kept.as_ptr(), staged_at)).map(|(_, k)| (w.generation, k));
             let replaced = st.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
             st.previous = st.weights.take().zip(replaced);
             st.weights = Some(Arc::new(w));
@@ -804,6 +850,7 @@ impl Worker for WorkerService {
         }
         self.with_state(move |st| {
             st.computed = None;
+            st.verified_probe = None;
             // Weights a verification probe still computes on are freed when it ends, not kept.
             keep_or_drop(st, |st| st.shadow.take().and_then(|s| unshared(s.weights)));
             st.stage_epoch += 1;
@@ -827,6 +874,7 @@ impl Worker for WorkerService {
                 };
                 w.generation = st.weights.as_ref().map_or(1, |cur| cur.generation + 1);
                 st.committed_round_trip = None;
+                st.committed_probe = None;
                 if let Some(p) = st.plan.as_mut() {
                     p.source = source;
                 }
@@ -977,6 +1025,9 @@ impl Worker for WorkerService {
         if phase != pb::ProbePhase::Whole && !r.shadow {
             return Err(Status::invalid_argument("probe: a probe in halves is of the staged version (shadow) only"));
         }
+        if r.kept && (phase != pb::ProbePhase::Whole || r.shadow) {
+            return Err(Status::invalid_argument("probe: a kept probe answers a whole probe of the active weights only"));
+        }
         // Verifying a staged version is background work: below the serving probes' priority.
         let background = r.shadow;
         tokio::task::spawn_blocking(move || {
@@ -985,6 +1036,20 @@ impl Worker for WorkerService {
                 orchestrator_model::limits::check_probe(spec.tokens, spec.latents)
                     .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
                 let check = !r.skip_reference;
+                if r.kept {
+                    // Nothing computed, no ring joined: answered from what the rank kept, or refused.
+                    let st = lock(&state);
+                    let generation = st.weights.as_ref().map(|w| w.generation);
+                    return match &st.committed_probe {
+                        Some((g, k)) if Some(*g) == generation && k.spec == spec && k.check == check => {
+                            Ok(Response::new(k.answer(&st, *g)))
+                        }
+                        _ => Err(Status::failed_precondition(format!(
+                            "probe: no kept verification probe of the active weights (generation {}) for this probe",
+                            generation.unwrap_or(0)
+                        ))),
+                    };
+                }
                 match phase {
                     pb::ProbePhase::Whole | pb::ProbePhase::Compute => {
                         // The weights are shared, not borrowed: nothing is locked while they
@@ -997,7 +1062,11 @@ impl Worker for WorkerService {
                             if !holds {
                                 return Err(Status::aborted("probe: the weights it computed on were replaced meanwhile (ask again)"));
                             }
-                            return reduce_and_answer(&mut st, &backend, &r, c).map(Response::new);
+                            let answer = reduce_and_answer(&mut st, &backend, &r, &c)?;
+                            if r.shadow {
+                                keep_verified(&mut st, Arc::downgrade(&weights), spec, check, c, &answer);
+                            }
+                            return Ok(Response::new(answer));
                         }
                         let answer = answer_of(&st, &c, String::new(), 0.0);
                         // Kept only while it is of what the rank has staged.
@@ -1013,7 +1082,9 @@ impl Worker for WorkerService {
                         let kept = kept.ok_or_else(|| {
                             Status::failed_precondition("probe: nothing computed to reduce for this probe of the staged version")
                         })?;
-                        reduce_and_answer(&mut st, &backend, &r, kept.probe).map(Response::new)
+                        let answer = reduce_and_answer(&mut st, &backend, &r, &kept.probe)?;
+                        keep_verified(&mut st, kept.weights, spec, check, kept.probe, &answer);
+                        Ok(Response::new(answer))
                     }
                 }
             };
@@ -1485,6 +1556,68 @@ mod tests {
         drop(computing);
         commit().await.unwrap();
         assert!(lock(&svc.state).shadow.is_none());
+    }
+
+    /// The probe right after a commit is answered from the verification probe the rank kept of
+    /// the very weights it committed (its answer, on their new generation), for that probe with
+    /// the same reference check, while the rank holds that generation; anything else is refused
+    /// without computing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_probe_after_a_commit_answers_from_the_verification_probe_kept_of_those_weights() {
+        use pb::ProbePhase::{Compute, Reduce, Whole};
+        use tonic::Code::{FailedPrecondition, InvalidArgument};
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, src) = loaded_worker(tmp.path()).await;
+        let kept = |seed: u64, skip_reference: bool, shadow: bool| {
+            let req = pb::ProbeRequest { tokens: 2, latents: 16, seed, kept: true, skip_reference, shadow, ..Default::default() };
+            svc.probe(Request::new(req))
+        };
+        let commit = || svc.commit(Request::new(pb::CommitRequest { expected_version: String::new() }));
+        let refused = |r: Result<Response<pb::ProbeResult>, Status>| r.unwrap_err().code();
+        assert_eq!(refused(kept(0, false, false).await), FailedPrecondition, "loaded, nothing verified");
+        stage(&svc, src("B")).await;
+        assert_eq!(refused(kept(0, false, true).await), InvalidArgument, "of the staged weights");
+        probe(&svc, Compute, true, 0).await.unwrap();
+        let verified = probe(&svc, Reduce, true, 0).await.unwrap();
+        assert_eq!(refused(kept(0, false, false).await), FailedPrecondition, "verified, not committed");
+        commit().await.unwrap();
+        let generation = lock(&svc.state).weights.as_ref().unwrap().generation;
+        let answer = kept(0, false, false).await.unwrap().into_inner();
+        assert!(answer.kept && answer.ok);
+        assert_eq!(answer.generation, generation);
+        assert_ne!(answer.generation, verified.generation, "the committed weights' generation");
+        assert_eq!(answer.checkpoint_version, verified.probed_version);
+        assert_eq!(
+            (&answer.y_digest, &answer.y_partial_digest, &answer.probed_version, answer.q_mismatches, answer.z_max_abs_err),
+            (&verified.y_digest, &verified.y_partial_digest, &verified.probed_version, verified.q_mismatches, verified.z_max_abs_err)
+        );
+        // Computing the same probe on the committed weights gives the same answer.
+        let computed = probe(&svc, Whole, false, 0).await.unwrap();
+        assert!(!computed.kept);
+        assert_eq!((&computed.y_digest, computed.generation), (&answer.y_digest, generation));
+        // Another probe, or the kernel pass alone where the reference was checked: refused.
+        assert_eq!(refused(kept(1, false, false).await), FailedPrecondition, "another seed");
+        assert_eq!(refused(kept(0, true, false).await), FailedPrecondition, "without the reference");
+        // Weights of another generation: refused.
+        Arc::get_mut(lock(&svc.state).weights.as_mut().unwrap()).unwrap().generation += 1;
+        assert_eq!(refused(kept(0, false, false).await), FailedPrecondition, "another generation");
+        // Verified, then restaged before the commit: the committed weights were never probed.
+        stage(&svc, src("C")).await;
+        probe(&svc, Whole, true, 0).await.unwrap();
+        stage(&svc, src("B")).await;
+        commit().await.unwrap();
+        assert_eq!(refused(kept(0, false, false).await), FailedPrecondition, "restaged after the probe");
+        // A whole probe of the staged weights is kept as the halves are; an abort drops it.
+        stage(&svc, src("C")).await;
+        let whole = probe(&svc, Whole, true, 0).await.unwrap();
+        commit().await.unwrap();
+        assert_eq!(kept(0, false, false).await.unwrap().into_inner().y_digest, whole.y_digest);
+        stage(&svc, src("B")).await;
+        probe(&svc, Whole, true, 0).await.unwrap();
+        svc.abort(Request::new(pb::AbortRequest { rollback: false, expected_version: String::new() })).await.unwrap();
+        stage(&svc, src("B")).await;
+        commit().await.unwrap();
+        assert_eq!(refused(kept(0, false, false).await), FailedPrecondition, "aborted after the probe");
     }
 
     /// A probe computes on the active weights without the state lock: while one is held up in
