@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod backend;
+pub mod bf16;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 /// Without the `cuda` feature, the same names with nothing behind them (the one `cfg`).

@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use orchestrator_kernels::{e4m3, e8m0};
+use orchestrator_kernels::{bf16, e4m3, e8m0};
 use safetensors::Dtype;
 
 use crate::ModelError;
@@ -43,10 +43,7 @@ fn first_illegal_at(dtype: Dtype, bytes: &[u8]) -> Option<(usize, &'static str)>
     match dtype {
         Dtype::F8_E8M0 => e8m0::find_nan(bytes).map(|i| (i, "NaN scale byte 0xFF")),
         Dtype::F8_E4M3 => e4m3::find_nan(bytes).map(|i| (i, "NaN E4M3 byte")),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .position(|p| u16::from_le_bytes([p[0], p[1]]) & 0x7F80 == 0x7F80)
-            .map(|i| (i, "NaN or infinite BF16 value")),
+        Dtype::BF16 => bf16::find_non_finite(bytes).map(|i| (i, "NaN or infinite BF16 value")),
         Dtype::F32 => bytes
             .chunks_exact(4)
             .position(|p| !f32::from_le_bytes([p[0], p[1], p[2], p[3]]).is_finite())
