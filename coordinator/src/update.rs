@@ -156,17 +156,17 @@ async fn reinstate(
     by_update: bool,
 ) -> Result<(String, RankResults<pb::ProbeResult>), String> {
     let skip_reference = matches!(proof, Proof::SameAsStaged { reference: false, .. });
-    let spec_ = (spec.tokens as u32, spec.latents as u32, spec.seed);
+    let asked = (spec.tokens as u32, spec.latents as u32, spec.seed);
     // Right after a commit every rank answers from the verification probe it kept of the very
     // weights it committed (the same probe, judged the same way below); when any rank kept none
     // (it restarted, or restaged after the probe), the group computes the probe again.
     let kept = match proof {
-        Proof::SameAsStaged { .. } => Some(cluster.probe_kept(dp, spec_, skip_reference).await).filter(|r| r.values().all(Result::is_ok)),
+        Proof::SameAsStaged { .. } => Some(cluster.probe_kept(dp, asked, skip_reference).await).filter(|r| r.values().all(Result::is_ok)),
         Proof::Verified => None,
     };
     let results = match kept {
         Some(results) => results,
-        None => cluster.probe_in(Some(dp), spec_, false, skip_reference).await,
+        None => cluster.probe_in(Some(dp), asked, false, skip_reference).await,
     };
     let (version, y) = judge_probe(&results)?;
     rotation.observed_version(dp, &version);
@@ -786,11 +786,10 @@ impl Roll<'_> {
                             let answered_kept = results.values().all(|p| p.kept);
                             let kept = SwapProbe { spec: self.probe, reference, results };
                             swap_probes.lock().unwrap_or_else(|p| p.into_inner()).insert(dp, kept);
-                            match answered_kept {
-                                true => {
-                                    " (every rank answered with the verification probe it kept of the weights it committed)".to_string()
-                                }
-                                false => " (computed again: a rank had not kept its verification probe)".to_string(),
+                            if answered_kept {
+                                " (every rank answered with the verification probe it kept of the weights it committed)".to_string()
+                            } else {
+                                " (computed again: a rank had not kept its verification probe)".to_string()
                             }
                         }
                         Err(why) => {
