@@ -439,12 +439,19 @@ mod avx512 {
     }
 
     /// Where block `kb` of each row lies and the stride between rows. Prefetches one block's
-    /// worth of the next tile (as the `gemm::fused` kernel does). Where rows lie a multiple of 1 KiB apart (`wo_a`'s
-    /// 4096 columns, `wo_b`'s 2048), 32 rows share a few L1 sets (the set repeats every 4 KiB),
-    /// and the second block of each row would read lines that the first block's evicted: there
-    /// two blocks of each row (one cache line) are copied into `lines` together, so that each
-    /// line is read from memory once. Other rows are read where they lie (the copy costs more
-    /// than it saves: `wq_b`'s 1280 columns).
+    /// worth of the next tile (as the `gemm::fused` kernel does). Two blocks of each row (one
+    /// cache line) are copied into `lines` together, 32 lines loaded back to back, and both
+    /// blocks decoded from there: each line is read from memory once, and the loads of a tile's
+    /// lines are in flight together rather than one half-line at a time inside the decode.
+    /// Where rows lie a multiple of 1 KiB apart (`wo_a`'s 4096 columns, `wo_b`'s 2048), 32 rows
+    /// share a few L1 sets (the set repeats every 4 KiB), and the second block of each row would
+    /// otherwise read lines that the first block's evicted. Elsewhere (`wq_b`'s 1280 columns)
+    /// the copy costs some speed in cache and wins from memory (`bench-gemm`, Zen 5 VM, 3
+    /// interleaved runs of each binary, `wq_b` from memory: at T = 1 0.51-0.58x the read roof
+    /// against 0.36-0.37x, at T = 2 0.49-0.51x against 0.27x, T = 4 and 8 within the runs'
+    /// spread, in a phase where the read roof measured 65-70 GB/s; 0.70-0.76x against 0.62-0.72x
+    /// at T = 1 and 2 where it measured 50). Rows of an odd number of blocks are read where they
+    /// lie.
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn rows_of_block(t: &Tile<'_>, kb: usize, lines: &mut [__m512i; TILE]) -> (*const u8, usize) {
@@ -454,7 +461,7 @@ mod avx512 {
             }
         }
         let k = t.k;
-        if !k.is_multiple_of(1024) {
+        if !k.is_multiple_of(2 * BLOCK) {
             // SAFETY: within `e` (the bounds the caller asserted).
             (unsafe { t.e.as_ptr().add(kb * BLOCK) }, k)
         } else if kb.is_multiple_of(2) {
@@ -737,8 +744,8 @@ mod tests {
         if !available() {
             return;
         }
-        // Rows read where they lie (an odd number of blocks among them), and rows a multiple of
-        // 1 KiB apart, copied a cache line at a time.
+        // Rows copied a cache line at a time (256 columns; 1024, a multiple of 1 KiB apart), and
+        // rows of an odd number of blocks, read where they lie (160).
         for case in [Case::new(), Case::with_k(160), Case::with_k(1024)] {
             edges(&case);
         }
