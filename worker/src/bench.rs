@@ -518,8 +518,9 @@ pub struct GemmResult {
     pub read_roof_gb_per_s: f64,
     /// `weight_gb_per_s` over `read_roof_gb_per_s`.
     pub fraction_of_roof: f64,
-    /// The same GEMM on one copy of its weight, run again and again (every shape's weight fits
-    /// the last-level cache): the kernel's own rate, which no memory system lifts it above.
+    /// The same GEMM on one copy of its weight, run again and again: the kernel's own rate,
+    /// which no memory system lifts it above, where the weight (10.5 MB at most) fits the
+    /// last-level cache (32 MiB on the Zen 5 VM; on a smaller one the figure is partly memory's).
     pub in_cache_gb_per_s: f64,
     /// The weight bytes per second at which `T` multiply-adds per weight take the measured
     /// peak of the instructions this `T` runs on ([`bf16_dot_peak`] where the GEMM takes its BF16
