@@ -284,7 +284,12 @@ fn quantize_rows_body(
         BlockOrder::Chunks(p) => Some(p.as_slice()),
         _ => None,
     };
-    for (src_row, src_row_bytes) in bf16.chunks_exact(k * 2).enumerate() {
+    let row_bytes = k * 2;
+    for (src_row, src_row_bytes) in bf16.chunks_exact(row_bytes).enumerate() {
+        // The next source row is asked for while this one is quantized, a step's worth at a
+        // time: a row read in chunk order (`wo_a`) jumps around its 8 KiB, and any row crosses
+        // 4 KiB pages, where the hardware's streams stop.
+        let next_row = bf16.get((src_row + 1) * row_bytes..(src_row + 2) * row_bytes);
         let row = dst_of.map_or(src_row, |d| d[src_row] as usize);
         let dst_row = &mut elements[row * k..(row + 1) * k];
         let scale_row = &mut scales[row * blocks..(row + 1) * blocks];
@@ -294,6 +299,9 @@ fn quantize_rows_body(
         while j < blocks {
             // Four blocks at once where `four` takes them, else one by one up to the next four.
             let end = (j + 4).min(blocks);
+            if let Some(next) = next_row {
+                crate::simd::prefetch(&next[j * BLOCK * 2..end * BLOCK * 2]);
+            }
             if end == j + 4
                 && let Some(s) = four(std::array::from_fn(|i| source(j + i)), rule, &mut dst_row[j * BLOCK..end * BLOCK])
             {

@@ -18,6 +18,20 @@ pub fn has_avx2() -> bool {
     }
 }
 
+/// Asks for `bytes` to be brought into the caches ahead of their use (a hint: nothing where the
+/// target has no prefetch instruction; bytes never fault).
+#[inline(always)]
+pub fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: a prefetch reads nothing the program sees and never faults; SSE, which has
+        // it, is part of every x86-64 CPU.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr().cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// `dispatch!(f(args..))`: calls `f` (an `#[inline(always)]` function) compiled with AVX2 when
 /// the CPU has it, else compiled for the baseline.
 macro_rules! dispatch {
