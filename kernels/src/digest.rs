@@ -45,6 +45,12 @@ impl Digest {
     }
 }
 
+/// How many bytes [`DigestStream::update_fetching_ahead`] hashes for each stretch it fetches:
+/// small enough that the fetches keep ahead of a piece of a few KiB, large enough that the
+/// hasher's work per call stays small. The round trip's `wq_b` (20 KiB pieces of 16 rows, 1.3 MB
+/// apart) hashed in 1.3-1.4 ms with 2 KiB steps, 1.5-1.7 ms with 8 KiB, 2.5-2.7 ms without.
+pub const FETCH_STEP: usize = 2048;
+
 /// A [`Digest`] computed piece by piece: the same value as [`Digest::of`] of the pieces
 /// concatenated.
 pub struct DigestStream(XxHash3_64);
@@ -55,6 +61,17 @@ impl DigestStream {
     }
     pub fn update(&mut self, bytes: &[u8]) {
         self.0.write(bytes);
+    }
+    /// [`update`](Self::update) with `bytes`, asking for `next` (what will be hashed after it,
+    /// somewhere else in memory) to be brought into the caches meanwhile: each
+    /// [`FETCH_STEP`] of `bytes` hashed fetches the same stretch of `next`. Where the next bytes
+    /// lie far away (a tensor read through a row permutation), the hardware's prefetchers would
+    /// start on them only once they are read; the same value as plain updates.
+    pub fn update_fetching_ahead(&mut self, bytes: &[u8], next: &[u8]) {
+        for (i, step) in bytes.chunks(FETCH_STEP).enumerate() {
+            crate::simd::prefetch(next.get(i * FETCH_STEP..next.len().min((i + 1) * FETCH_STEP)).unwrap_or_default());
+            self.0.write(step);
+        }
     }
     pub fn finish(&self) -> Digest {
         Digest(self.0.finish())
@@ -112,5 +129,27 @@ mod tests {
         let text = rank_digest_text([("z.w", a), ("a.w", b)]);
         assert_eq!(text, "a.w 0000000000000abc\nz.w 0000000000000001\n");
         assert_eq!(rank_digest([("z.w", a), ("a.w", b)]), Digest::of(text.as_bytes()));
+    }
+
+    proptest::proptest! {
+        /// Hashing pieces while fetching the next gives the digest of the pieces concatenated,
+        /// whatever the pieces' lengths against [`FETCH_STEP`] and whatever is fetched.
+        #[test]
+        fn fetching_ahead_changes_no_digest(lens in proptest::collection::vec(0usize..3 * FETCH_STEP, 0..6), seed: u8) {
+            let all: Vec<u8> = (0..lens.iter().sum::<usize>()).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect();
+            let mut pieces = Vec::new();
+            let mut rest = &all[..];
+            for &n in &lens {
+                let (piece, tail) = rest.split_at(n);
+                pieces.push(piece);
+                rest = tail;
+            }
+            let mut h = DigestStream::new();
+            for (i, piece) in pieces.iter().enumerate() {
+                // The next piece, or (for the last) the first: either way only fetched.
+                h.update_fetching_ahead(piece, pieces.get(i + 1).or(pieces.first()).copied().unwrap_or_default());
+            }
+            proptest::prop_assert_eq!(h.finish(), Digest::of(&all));
+        }
     }
 }
