@@ -6,6 +6,9 @@ use std::hash::Hasher as _;
 
 use twox_hash::XxHash3_64;
 
+#[cfg(target_arch = "x86_64")]
+mod xxh3_avx512;
+
 /// An XXH3-64 digest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Digest(pub u64);
@@ -13,6 +16,11 @@ pub struct Digest(pub u64);
 impl Digest {
     /// Digest of bytes in storage order.
     pub fn of(bytes: &[u8]) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if xxh3_avx512::available() {
+            // SAFETY: the CPU has AVX-512 F (checked just above).
+            return Digest(unsafe { xxh3_avx512::oneshot(bytes) });
+        }
         Digest(XxHash3_64::oneshot(bytes))
     }
 
@@ -53,14 +61,30 @@ pub const FETCH_STEP: usize = 2048;
 
 /// A [`Digest`] computed piece by piece: the same value as [`Digest::of`] of the pieces
 /// concatenated.
-pub struct DigestStream(XxHash3_64);
+pub struct DigestStream(Hasher);
+
+/// XXH3-64 on AVX-512 where the CPU has it ([`xxh3_avx512`]), else `twox-hash`'s.
+enum Hasher {
+    #[cfg(target_arch = "x86_64")]
+    Avx512(Box<xxh3_avx512::Stream>),
+    Twox(Box<XxHash3_64>),
+}
 
 impl DigestStream {
     pub fn new() -> Self {
-        Self(XxHash3_64::with_seed(0))
+        #[cfg(target_arch = "x86_64")]
+        if xxh3_avx512::available() {
+            // SAFETY: the CPU has AVX-512 F (checked just above).
+            return Self(Hasher::Avx512(Box::new(unsafe { xxh3_avx512::Stream::new() })));
+        }
+        Self(Hasher::Twox(Box::new(XxHash3_64::with_seed(0))))
     }
     pub fn update(&mut self, bytes: &[u8]) {
-        self.0.write(bytes);
+        match &mut self.0 {
+            #[cfg(target_arch = "x86_64")]
+            Hasher::Avx512(s) => s.update(bytes),
+            Hasher::Twox(h) => h.write(bytes),
+        }
     }
     /// [`update`](Self::update) with `bytes`, asking for `next` (what will be hashed after it,
     /// somewhere else in memory) to be brought into the caches meanwhile: each
@@ -70,11 +94,15 @@ impl DigestStream {
     pub fn update_fetching_ahead(&mut self, bytes: &[u8], next: &[u8]) {
         for (i, step) in bytes.chunks(FETCH_STEP).enumerate() {
             crate::simd::prefetch(next.get(i * FETCH_STEP..next.len().min((i + 1) * FETCH_STEP)).unwrap_or_default());
-            self.0.write(step);
+            self.update(step);
         }
     }
     pub fn finish(&self) -> Digest {
-        Digest(self.0.finish())
+        Digest(match &self.0 {
+            #[cfg(target_arch = "x86_64")]
+            Hasher::Avx512(s) => s.finish(),
+            Hasher::Twox(h) => h.finish(),
+        })
     }
 }
 
