@@ -236,8 +236,9 @@ fn consecutive_runs(perm: &[u32]) -> impl Iterator<Item = std::ops::Range<u32>> 
 /// bytes).
 const HASH_IN_PLACE_RUN: usize = 256;
 
-/// How many rows ahead [`digest_gathered_runs`] fetches rows it gathers runs from.
-const ROWS_AHEAD: usize = 2;
+/// How many rows ahead [`digest_gathered_runs`] and the chunk-order placement
+/// ([`crate::placement::place_e4m3`]) fetch the rows they gather runs from.
+pub(crate) const ROWS_AHEAD: usize = 2;
 
 /// The digest of what [`gather_runs`] would write, without writing it (the same checks, the
 /// same value): the round trip reads kernel tensors back through the inverse permutation this
@@ -262,8 +263,7 @@ pub fn digest_gathered_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm
             // `ROWS_AHEAD` ahead. The round trip's `wo_a` of a TP 1 dsv41-flash layer hashed in
             // 1.7-1.8 ms, against 2.0-2.1 ms when each row was first copied out in order
             // (fetched the same way) and 3.4-3.7 ms copied out and not fetched.
-            let ahead = (i + ROWS_AHEAD) * row_bytes;
-            crate::simd::prefetch(src.get(ahead..(ahead + row_bytes).min(src.len())).unwrap_or_default());
+            crate::simd::prefetch_row(src, row_bytes, i + ROWS_AHEAD);
             gather_row(src_row, &mut row, run_bytes, perm.as_slice());
             h.update(&row);
         }

@@ -32,6 +32,15 @@ pub fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
+/// [`prefetch`] of row `i` of `rows` (rows of `row_bytes`), where there is one: the rows a
+/// pass will read next, where each row is a 4 KiB page or more apart from the last (the
+/// hardware's streams stop at each page) or is read out of order.
+#[inline(always)]
+pub fn prefetch_row(rows: &[u8], row_bytes: usize, i: usize) {
+    let at = i.saturating_mul(row_bytes);
+    prefetch(rows.get(at..rows.len().min(at.saturating_add(row_bytes))).unwrap_or_default());
+}
+
 /// `dispatch!(f(args..))`: calls `f` (an `#[inline(always)]` function) compiled with AVX2 when
 /// the CPU has it, else compiled for the baseline.
 macro_rules! dispatch {
