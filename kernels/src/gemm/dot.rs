@@ -439,7 +439,14 @@ mod avx512 {
     }
 
     /// Where block `kb` of each row lies and the stride between rows. Prefetches one block's
-    /// worth of the next tile (as the `gemm::fused` kernel does). Two blocks of each row (one
+    /// worth of the next tile (as the `gemm::fused` kernel does), into L1 (`bench-gemm`, one
+    /// binary switched between the hints, 3 runs of each in a phase where the read roof measured
+    /// 45-50 GB/s: at T = 1 `wo_a` 27-28 -> 31-33 GB/s, at T = 2 `wq_b` 31-33 -> 34-35 and `wo_b`
+    /// 25-33 -> 34-35, T = 4 to 16 the same or a little faster; in one run each where it
+    /// measured 62-65, at T = 2, 4 and 8 `wq_b` 26 / 27 / 15 -> 34 / 30 / 22 GB/s; the binary
+    /// built with it against the one before, 2 interleaved runs each at a roof of 47-51 GB/s:
+    /// T = 4 `wq_b` 20 -> 34-35, `wo_b` 25-26 -> 34-35, `wo_a` 23-24 -> 27 GB/s, the other T
+    /// the same; into L2 before). Fetching two tiles ahead was slower everywhere. Two blocks of each row (one
     /// cache line) are copied into `lines` together, 32 lines loaded back to back, and both
     /// blocks decoded from there: each line is read from memory once, and the loads of a tile's
     /// lines are in flight together rather than one half-line at a time inside the decode.
@@ -457,7 +464,7 @@ mod avx512 {
     fn rows_of_block(t: &Tile<'_>, kb: usize, lines: &mut [__m512i; TILE]) -> (*const u8, usize) {
         if let Some(lines) = t.next.get(kb * TILE * BLOCK..(kb + 1) * TILE * BLOCK) {
             for line in lines.chunks(64) {
-                _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
+                _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
             }
         }
         let k = t.k;
