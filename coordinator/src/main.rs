@@ -144,7 +144,7 @@ struct ProbeLoadArgs {
     #[arg(long)]
     duration: f64,
     /// Probe size: T tokens, S latents, seed.
-    #[arg(long, value_name = "T,S[,SEED]", default_value = "2,16")]
+    #[arg(long, value_name = "T,S[,SEED]", default_value_t = orchestrator_worker::probe::ProbeSpec::SERVING)]
     size: orchestrator_worker::probe::ProbeSpec,
 }
 

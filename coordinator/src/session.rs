@@ -24,7 +24,7 @@ use crate::update::{Proof, SwapProbe, drive_commit, judge_probe, try_reinstate};
 
 /// The probe an update verifies with (and the health loop reinstates with) when the cluster has
 /// no `--probe` of its own.
-pub const DEFAULT_UPDATE_PROBE: ProbeSpec = ProbeSpec { tokens: 2, latents: 16, seed: 0 };
+pub const DEFAULT_UPDATE_PROBE: ProbeSpec = ProbeSpec::SERVING;
 
 /// What changes while a session runs (behind its own short lock).
 pub struct SessionState {
@@ -323,7 +323,7 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_worker::grp
 mod tests {
     use super::*;
 
-    const SPEC: ProbeSpec = ProbeSpec { tokens: 2, latents: 16, seed: 0 };
+    const SPEC: ProbeSpec = ProbeSpec::SERVING;
 
     fn rank(pid: u32, generation: u64, version: &str) -> pb::RankReport {
         pb::RankReport { pid, generation, checkpoint_version: version.into(), ..Default::default() }

@@ -59,6 +59,11 @@ impl std::str::FromStr for ProbeSpec {
 }
 
 impl ProbeSpec {
+    /// The serving-sized probe (T = 2, S = 16, seed 0): what an update verifies with and the
+    /// health loop reinstates with where the cluster has no `--probe` of its own, the default
+    /// of the load generator and of `bench update`.
+    pub const SERVING: ProbeSpec = ProbeSpec { tokens: 2, latents: 16, seed: 0 };
+
     /// The inputs every rank builds identically: `qr [T, q_lora]` and `kv [S, head_dim]`,
     /// ~N(0, 1) from the counter-based generator keyed by the seed, MXFP8-quantized (rceil).
     pub fn inputs(&self, g: &Geometry) -> Result<ProbeInputs, KernelError> {

@@ -33,7 +33,7 @@ pub struct BenchUpdateArgs {
     #[arg(long, default_value_t = 2)]
     dp: u32,
     /// The probe size of the load and of the update's verification.
-    #[arg(long, value_name = "T,S[,SEED]", default_value = "2,16")]
+    #[arg(long, value_name = "T,S[,SEED]", default_value_t = ProbeSpec::SERVING)]
     probe: ProbeSpec,
     /// Seconds of each measurement before the update (capacity, then latency).
     #[arg(long, default_value_t = 4.0)]
