@@ -446,10 +446,12 @@ mod avx512 {
     /// measured 62-65, at T = 2, 4 and 8 `wq_b` 26 / 27 / 15 -> 34 / 30 / 22 GB/s; the binary
     /// built with it against the one before, 2 interleaved runs each at a roof of 47-51 GB/s:
     /// T = 4 `wq_b` 20 -> 34-35, `wo_b` 25-26 -> 34-35, `wo_a` 23-24 -> 27 GB/s, the other T
-    /// the same; into L2 before). Fetching two tiles ahead was slower everywhere. Two blocks of each row (one
-    /// cache line) are copied into `lines` together, 32 lines loaded back to back, and both
-    /// blocks decoded from there: each line is read from memory once, and the loads of a tile's
-    /// lines are in flight together rather than one half-line at a time inside the decode.
+    /// the same; into L2 before). Fetching two tiles ahead was slower everywhere.
+    ///
+    /// Two blocks of each row (one cache line) are copied into `lines` together, 32 lines
+    /// loaded back to back, and both blocks decoded from there: each line is read from memory
+    /// once, and the loads of a tile's lines are in flight together rather than one half-line
+    /// at a time inside the decode.
     /// Where rows lie a multiple of 1 KiB apart (`wo_a`'s 4096 columns, `wo_b`'s 2048), 32 rows
     /// share a few L1 sets (the set repeats every 4 KiB), and the second block of each row would
     /// otherwise read lines that the first block's evicted. Elsewhere (`wq_b`'s 1280 columns)
@@ -462,11 +464,7 @@ mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn rows_of_block(t: &Tile<'_>, kb: usize, lines: &mut [__m512i; TILE]) -> (*const u8, usize) {
-        if let Some(lines) = t.next.get(kb * TILE * BLOCK..(kb + 1) * TILE * BLOCK) {
-            for line in lines.chunks(64) {
-                _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
-            }
-        }
+        crate::simd::prefetch(t.next.get(kb * TILE * BLOCK..(kb + 1) * TILE * BLOCK).unwrap_or_default());
         let k = t.k;
         if !k.is_multiple_of(2 * BLOCK) {
             // SAFETY: within `e` (the bounds the caller asserted).
