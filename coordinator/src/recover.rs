@@ -295,7 +295,7 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
         rotation.pull(dp, "recovering");
     }
     let probe = plan.probe.map(|(tokens, latents, seed)| ProbeSpec { tokens: tokens as usize, latents: latents as usize, seed });
-    let update_probe = probe.unwrap_or(crate::session::DEFAULT_UPDATE_PROBE);
+    let update_probe = probe.unwrap_or(ProbeSpec::SERVING);
     let mut steps = Vec::new();
     settle_decisions(&cluster, &rotation, &journal, &replayed, &mut steps).await;
     let observed = observe(&cluster).await;

@@ -22,10 +22,6 @@ use crate::rollout::{CommitStatus, HealthAction, health_action};
 use crate::rotation::Rotation;
 use crate::update::{Proof, SwapProbe, drive_commit, judge_probe, try_reinstate};
 
-/// The probe an update verifies with (and the health loop reinstates with) when the cluster has
-/// no `--probe` of its own.
-pub const DEFAULT_UPDATE_PROBE: ProbeSpec = ProbeSpec::SERVING;
-
 /// What changes while a session runs (behind its own short lock).
 pub struct SessionState {
     pub source_desc: String,
@@ -64,9 +60,10 @@ impl Session {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The probe updates verify with.
+    /// The probe updates verify with (and the health loop reinstates with): the cluster's
+    /// `--probe`, else the serving-sized one.
     pub fn update_probe(&self) -> ProbeSpec {
-        self.probe.unwrap_or(DEFAULT_UPDATE_PROBE)
+        self.probe.unwrap_or(ProbeSpec::SERVING)
     }
 
     /// Probes (when configured and asked) and collects every rank's report, then applies the
