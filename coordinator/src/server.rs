@@ -55,9 +55,7 @@ impl Endpoint {
                         CoordinatorServer::new(service).max_decoding_message_size(orchestrator_proto::limits::MAX_MESSAGE_BYTES),
                         orchestrator_worker::auth::interceptor(Some(token)),
                     ))
-                    .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async move {
-                        stop.notified().await
-                    }),
+                    .serve_with_incoming_shutdown(orchestrator_worker::grpc::incoming(listener), async move { stop.notified().await }),
             )
         };
         let url = format!("{}://{address}", orchestrator_worker::tls::scheme(tls));

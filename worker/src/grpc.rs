@@ -43,6 +43,15 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
+/// The connections `listener` accepts, each with `TCP_NODELAY` set. Tonic applies its own
+/// `tcp_nodelay` default only when it binds the address itself, never to a listener handed to
+/// `serve_with_incoming`; without it a response written as more than one segment (an HTTP/2
+/// HEADERS frame, then its DATA and trailers) waits for the peer's delayed ACK, about 40 ms on
+/// Linux: a routed probe that computes in 20 ms answered in 40-48 ms.
+pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
 /// The grpc.health.v1 service Kubernetes' liveness probe asks for (`grpc: {port, service:
 /// liveness}`): SERVING while the process runs. Readiness asks for `""`, which [`Health`] keeps
 /// NOT_SERVING until the server serves verified weights.
@@ -87,7 +96,7 @@ impl Health {
             let served = tonic::transport::Server::builder()
                 .timeout(Duration::from_secs(10))
                 .add_service(service)
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .serve_with_incoming(incoming(listener))
                 .await;
             if let Err(e) = served {
                 tracing::warn!("health listener on {address} ended: {e}");
@@ -120,4 +129,27 @@ pub async fn standard_router<S: NamedService>(tls: Option<&crate::tls::TlsFiles>
         .add_service(reflection().build_v1()?)
         .add_service(reflection().build_v1alpha()?);
     Ok((router, health))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_stream::StreamExt;
+
+    /// Every connection the servers accept has `TCP_NODELAY`, which the listener's own sockets
+    /// do not inherit (without it a report answered in 40 ms instead of 1).
+    #[tokio::test]
+    async fn accepted_connections_do_not_wait_for_delayed_acks() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let mut plain = tokio_stream::wrappers::TcpListenerStream::new(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+        let plain_address = plain.as_ref().local_addr().unwrap();
+        let mut accepted = incoming(listener);
+        let (_a, _b) =
+            (tokio::net::TcpStream::connect(address).await.unwrap(), tokio::net::TcpStream::connect(plain_address).await.unwrap());
+        let stream = accepted.next().await.unwrap().unwrap();
+        assert!(stream.nodelay().unwrap());
+        // What the servers used before: the option is off unless set.
+        assert!(!plain.next().await.unwrap().unwrap().nodelay().unwrap());
+    }
 }

@@ -1278,7 +1278,7 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
 
     // The port answers from the start (health NOT_SERVING, liveness SERVING), also while the
     // worker waits for its coordinator.
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let incoming = crate::grpc::incoming(listener);
     let server = tokio::spawn(
         router
             .add_service(tonic::service::interceptor::InterceptedService::new(
