@@ -12,12 +12,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use orchestrator_net::auth::Token;
+use orchestrator_net::tls::TlsFiles;
 use orchestrator_proto::limits;
 use orchestrator_proto::v1 as pb;
 use orchestrator_proto::v1::worker_client::WorkerClient;
-use orchestrator_worker::auth::Token;
 use orchestrator_worker::process::ProcessIdentity;
-use orchestrator_worker::tls::TlsFiles;
 use tokio::process::{Child, Command};
 use tonic::transport::Channel;
 
@@ -414,7 +414,7 @@ impl Cluster {
     async fn connect_registered(&mut self, lazy: bool) -> Result<(), Failures> {
         for w in &mut self.workers {
             let reg = self.registry.get(w.id).ok_or_else(|| vec![(w.id, format!("{} is not registered", w.label()))])?;
-            let endpoint = orchestrator_worker::tls::endpoint(&reg.address, self.tls.as_ref())
+            let endpoint = orchestrator_net::tls::endpoint(&reg.address, self.tls.as_ref())
                 .map_err(|e| vec![(w.id, format!("{}: {e}", w.label()))])?;
             let channel = if lazy {
                 endpoint.connect_lazy()
@@ -472,7 +472,7 @@ impl Cluster {
         let (tp, dp) = (self.tp, self.dp);
         let results = self
             .fan_out(|w, mut client| {
-                let req = orchestrator_worker::auth::request(
+                let req = orchestrator_net::auth::request(
                     pb::AssignRequest {
                         tp_size: tp,
                         tp_rank: w.tp,
@@ -551,7 +551,7 @@ impl Cluster {
             let show = show.clone();
             let token = self.token.clone();
             async move {
-                let req = orchestrator_worker::auth::request(pb::LoadRequest {}, LOAD_DEADLINE, Some(&token));
+                let req = orchestrator_net::auth::request(pb::LoadRequest {}, LOAD_DEADLINE, Some(&token));
                 let mut stream = client.load(req).await.map_err(|s| format!("{label}: load: {}", s.message()))?.into_inner();
                 loop {
                     match stream.message().await {
@@ -627,7 +627,7 @@ impl Cluster {
             let epoch = self.ring_epochs[dp as usize].load(Ordering::SeqCst);
             let results = self
                 .fan_out_in(Some(dp), |w, mut client| {
-                    let req = orchestrator_worker::auth::request(
+                    let req = orchestrator_net::auth::request(
                         pb::ProbeRequest {
                             tokens,
                             latents,
@@ -707,7 +707,7 @@ impl Cluster {
         proof: impl Fn(u32) -> Option<pb::RoundTripProof>,
     ) -> RankResults<pb::RankReport> {
         self.fan_out_in(group, |w, mut client| {
-            let req = orchestrator_worker::auth::request(
+            let req = orchestrator_net::auth::request(
                 pb::ReportRequest { shadow, brief: false, kept_round_trip, identical_to: proof(w.tp) },
                 REPORT_DEADLINE,
                 Some(&self.token),
@@ -732,7 +732,7 @@ impl Cluster {
         let reference = reference.map(|p| pb::ReferenceProbe { tokens: p.tokens as u32, latents: p.latents as u32, seed: p.seed });
         self.fan_out_in(Some(dp), |w, mut client| {
             let label = w.label();
-            let req = orchestrator_worker::auth::request(
+            let req = orchestrator_net::auth::request(
                 pb::StageRequest { source: Some(source.clone()), reference, defer_round_trip },
                 LOAD_DEADLINE,
                 Some(&self.token),
@@ -758,7 +758,7 @@ impl Cluster {
         let _guard = self.group_locks[dp as usize].lock().await;
         self.fan_out_in(Some(dp), |w, mut client| {
             let label = w.label();
-            let req = orchestrator_worker::auth::request(
+            let req = orchestrator_net::auth::request(
                 pb::CommitRequest { expected_version: expected.to_string() },
                 limits::COMMIT_CALL_DEADLINE,
                 Some(&self.token),
@@ -793,7 +793,7 @@ impl Cluster {
     pub async fn release(&self) {
         let _ = self
             .fan_out(|w, mut client| {
-                let req = orchestrator_worker::auth::request(pb::ReleaseRequest {}, ASSIGN_DEADLINE, Some(&self.token));
+                let req = orchestrator_net::auth::request(pb::ReleaseRequest {}, ASSIGN_DEADLINE, Some(&self.token));
                 let label = w.label();
                 async move { client.release(req).await.map(|_| ()).map_err(|s| format!("{label}: release: {}", s.message())) }
             })
@@ -802,7 +802,7 @@ impl Cluster {
 
     async fn abort_with(&self, dp: u32, request: pb::AbortRequest) -> RankResults<String> {
         self.fan_out_in(Some(dp), |w, mut client| {
-            let req = orchestrator_worker::auth::request(request.clone(), ASSIGN_DEADLINE, Some(&self.token));
+            let req = orchestrator_net::auth::request(request.clone(), ASSIGN_DEADLINE, Some(&self.token));
             let label = w.label();
             async move {
                 client.abort(req).await.map(|r| r.into_inner().checkpoint_version).map_err(|s| format!("{label}: abort: {}", s.message()))
@@ -815,7 +815,7 @@ impl Cluster {
     pub async fn shutdown(&self) {
         for w in &self.workers {
             if let Some(mut client) = w.client.clone() {
-                let req = orchestrator_worker::auth::request(pb::ShutdownRequest {}, SHUTDOWN_DEADLINE, Some(&self.token));
+                let req = orchestrator_net::auth::request(pb::ShutdownRequest {}, SHUTDOWN_DEADLINE, Some(&self.token));
                 let _ = client.shutdown(req).await;
             }
         }
@@ -832,11 +832,11 @@ impl Cluster {
         }
         let remote = self.workers.iter().filter(|w| matches!(w.process, WorkerProcess::Remote)).filter_map(|w| {
             let reg = self.registry.get(w.id)?;
-            let endpoint = orchestrator_worker::tls::endpoint(&reg.address, self.tls.as_ref()).ok()?;
+            let endpoint = orchestrator_net::tls::endpoint(&reg.address, self.tls.as_ref()).ok()?;
             let token = self.token.clone();
             Some(async move {
                 let channel = endpoint.connect_timeout(SHUTDOWN_DEADLINE).connect().await.ok()?;
-                let req = orchestrator_worker::auth::request(pb::ShutdownRequest {}, SHUTDOWN_DEADLINE, Some(&token));
+                let req = orchestrator_net::auth::request(pb::ShutdownRequest {}, SHUTDOWN_DEADLINE, Some(&token));
                 WorkerClient::new(channel).shutdown(req).await.ok()
             })
         });
@@ -874,7 +874,7 @@ impl Cluster {
     pub async fn set_serving(&self, dp: u32, serving: bool, version: &str) -> bool {
         let results = self
             .fan_out_in(Some(dp), |w, mut client| {
-                let req = orchestrator_worker::auth::request(
+                let req = orchestrator_net::auth::request(
                     pb::SetServingRequest { serving, version: version.to_string() },
                     READINESS_DEADLINE,
                     Some(&self.token),

@@ -13,9 +13,9 @@ use orchestrator_kernels::ScaleRule;
 use orchestrator_model::inspect::inspect;
 use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
 use orchestrator_model::{ModelConfig, Preset};
+use orchestrator_net::auth::Token;
 use orchestrator_proto::v1 as pb;
 use orchestrator_worker::LoadSource;
-use orchestrator_worker::auth::Token;
 use orchestrator_worker::golden::golden_kernel_digests;
 use orchestrator_worker::probe::ProbeSpec;
 
@@ -57,13 +57,13 @@ pub struct LaunchPlan {
     /// Directories workers may read checkpoints from (and the same, checked by the coordinator
     /// before an update touches any replica).
     pub allow_roots: Vec<PathBuf>,
-    pub roots: orchestrator_worker::auth::AllowedRoots,
+    pub roots: orchestrator_model::AllowedRoots,
     /// How long an update drives a decided commit to a silent rank before reporting it.
     pub commit_timeout: Duration,
     /// The journal of the plan, the workers and every update step (`--state-dir`).
     pub journal: Option<Arc<Journal>>,
     /// Run the control plane over TLS with these files.
-    pub tls: Option<orchestrator_worker::tls::TlsFiles>,
+    pub tls: Option<orchestrator_net::tls::TlsFiles>,
     /// Also serve the health statuses in plaintext here (Kubernetes probes).
     pub health_listen: Option<SocketAddr>,
     /// Serve Prometheus metrics at `http://ADDR/metrics`.

@@ -25,8 +25,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use orchestrator_model::inspect::inspect;
 use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
 use orchestrator_model::{Checkpoint, ModelConfig, Preset};
+use orchestrator_net::tls::{describe_first_call, describe_status};
 use orchestrator_worker::output::emit;
-use orchestrator_worker::tls::{describe_first_call, describe_status};
 
 #[derive(Parser)]
 #[command(
@@ -186,13 +186,13 @@ fn health_cmd(a: HealthArgs) -> anyhow::Result<bool> {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     let wait = std::time::Duration::try_from_secs_f64(a.wait).map_err(|e| anyhow::anyhow!("--wait {}: {e}", a.wait))?;
-    let tls = a.tls_dir.as_deref().map(orchestrator_worker::tls::TlsFiles::load_client).transpose()?;
+    let tls = a.tls_dir.as_deref().map(orchestrator_net::tls::TlsFiles::load_client).transpose()?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async {
         let start = std::time::Instant::now();
         loop {
             let answer = async {
-                let channel = orchestrator_worker::tls::connect(&a.address, tls.as_ref()).await?;
+                let channel = orchestrator_net::tls::connect(&a.address, tls.as_ref()).await?;
                 let mut req = tonic::Request::new(HealthCheckRequest { service: a.service.clone() });
                 req.set_timeout(std::time::Duration::from_secs(5));
                 let r = HealthClient::new(channel).check(req).await.map_err(|s| anyhow::anyhow!("{}", describe_status(&s)))?;
@@ -380,16 +380,16 @@ fn inspect_cmd(a: InspectArgs) -> anyhow::Result<bool> {
 
 /// A channel to the coordinator `a` names (over TLS for `https://`).
 async fn remote_channel(a: &RemoteArgs) -> anyhow::Result<tonic::transport::Channel> {
-    let tls = a.tls_dir.as_deref().map(orchestrator_worker::tls::TlsFiles::load_client).transpose()?;
-    Ok(orchestrator_worker::tls::connect(&a.coordinator, tls.as_ref()).await?)
+    let tls = a.tls_dir.as_deref().map(orchestrator_net::tls::TlsFiles::load_client).transpose()?;
+    Ok(orchestrator_net::tls::connect(&a.coordinator, tls.as_ref()).await?)
 }
 
 fn tls_generate(out: PathBuf, names: Vec<String>) -> anyhow::Result<bool> {
-    orchestrator_worker::tls::generate(&out, &names)?;
+    orchestrator_net::tls::generate(&out, &names)?;
     emit(&format!(
         "wrote {}: ca.pem, ca.key, node.pem, node.key (node certificate for {}, localhost, loopback{}{})\n",
         out.display(),
-        orchestrator_worker::tls::SERVER_NAME,
+        orchestrator_net::tls::SERVER_NAME,
         if names.is_empty() { "" } else { ", " },
         names.join(", ")
     ));
@@ -412,18 +412,18 @@ fn recover_cmd(a: RecoverArgs) -> anyhow::Result<bool> {
 
 fn remote_cmd(a: RemoteArgs, shutdown: bool) -> anyhow::Result<bool> {
     use orchestrator_proto::v1 as pb;
-    let token = a.token_file.as_deref().map(orchestrator_worker::auth::Token::read).transpose()?;
+    let token = a.token_file.as_deref().map(orchestrator_net::auth::Token::read).transpose()?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async {
         let channel = remote_channel(&a).await?;
         let mut client = pb::coordinator_client::CoordinatorClient::new(channel).max_decoding_message_size(64 << 20);
         if shutdown {
-            let req = orchestrator_worker::auth::request(pb::ShutdownRequest {}, std::time::Duration::from_secs(10), token.as_ref());
+            let req = orchestrator_net::auth::request(pb::ShutdownRequest {}, std::time::Duration::from_secs(10), token.as_ref());
             client.shutdown(req).await.map_err(|s| anyhow::anyhow!("shutdown: {}", describe_first_call(&s, &a.coordinator)))?;
             emit("shutdown requested\n");
             return Ok(true);
         }
-        let req = orchestrator_worker::auth::request(
+        let req = orchestrator_net::auth::request(
             pb::ClusterReportRequest { probe: !a.no_probe },
             std::time::Duration::from_secs(1800),
             token.as_ref(),
@@ -438,9 +438,9 @@ async fn coordinator_client(
     a: &RemoteArgs,
 ) -> anyhow::Result<(
     orchestrator_proto::v1::coordinator_client::CoordinatorClient<tonic::transport::Channel>,
-    Option<orchestrator_worker::auth::Token>,
+    Option<orchestrator_net::auth::Token>,
 )> {
-    let token = a.token_file.as_deref().map(orchestrator_worker::auth::Token::read).transpose()?;
+    let token = a.token_file.as_deref().map(orchestrator_net::auth::Token::read).transpose()?;
     let channel = remote_channel(a).await?;
     Ok((orchestrator_proto::v1::coordinator_client::CoordinatorClient::new(channel).max_decoding_message_size(64 << 20), token))
 }
@@ -453,7 +453,7 @@ fn update_cmd(a: UpdateArgs) -> anyhow::Result<bool> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async {
         let (mut client, token) = coordinator_client(&a.remote).await?;
-        let req = orchestrator_worker::auth::request(
+        let req = orchestrator_net::auth::request(
             pb::UpdateRequest {
                 checkpoint_dir: dir.display().to_string(),
                 max_unavailable: a.max_unavailable,

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use orchestrator_worker::auth::Token;
+use orchestrator_net::auth::Token;
 use orchestrator_worker::probe::ProbeSpec;
 
 use crate::cluster::Cluster;
@@ -27,7 +27,7 @@ use crate::rotation::Rotation;
 use crate::server::Endpoint;
 use crate::session::{Session, SessionState};
 use crate::update::{Proof, UpdatePlan, drive_commit, rolling_update, try_reinstate};
-use orchestrator_worker::auth::AllowedRoots;
+use orchestrator_model::AllowedRoots;
 
 /// How a recovery resolves an interrupted update.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -264,7 +264,7 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
     let token = Token::read(&plan.token_file)?;
     let listen =
         plan.coordinator.parse().with_context(|| format!("{}: coordinator address {}", journal.path().display(), plan.coordinator))?;
-    let tls = plan.tls_dir.as_deref().map(orchestrator_worker::tls::TlsFiles::load).transpose()?;
+    let tls = plan.tls_dir.as_deref().map(orchestrator_net::tls::TlsFiles::load).transpose()?;
     let roots = AllowedRoots::new(&plan.allow_roots)?;
     // Everything that can fail without the workers is checked before anything is touched: the
     // model configuration comes from the source every replica serves (or, when that is gone,

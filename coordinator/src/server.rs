@@ -5,9 +5,9 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 
+use orchestrator_net::auth::Token;
+use orchestrator_net::tls::TlsFiles;
 use orchestrator_proto::v1::coordinator_server::CoordinatorServer;
-use orchestrator_worker::auth::Token;
-use orchestrator_worker::tls::TlsFiles;
 use tokio::sync::Notify;
 
 use crate::cluster::Registry;
@@ -30,7 +30,7 @@ pub struct Endpoint {
     /// Notified by the Shutdown RPC.
     pub shutdown: Arc<Notify>,
     /// The coordinator's grpc.health.v1 readiness: SERVING only while it serves verified weights.
-    pub health: orchestrator_worker::grpc::Health,
+    pub health: orchestrator_net::grpc::Health,
     stop: Arc<Notify>,
     task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
 }
@@ -45,7 +45,7 @@ impl Endpoint {
         let service = CoordinatorService { registry: registry.clone(), session: session.clone(), shutdown: shutdown.clone() };
         let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| anyhow::anyhow!("coordinator: binding {listen}: {e}"))?;
         let address = listener.local_addr()?;
-        let (router, health) = orchestrator_worker::grpc::standard_router::<CoordinatorServer<CoordinatorService>>(tls).await?;
+        let (router, health) = orchestrator_net::grpc::standard_router::<CoordinatorServer<CoordinatorService>>(tls).await?;
         let stop = Arc::new(Notify::new());
         let task = {
             let stop = stop.clone();
@@ -53,16 +53,16 @@ impl Endpoint {
                 router
                     .add_service(tonic::service::interceptor::InterceptedService::new(
                         CoordinatorServer::new(service).max_decoding_message_size(orchestrator_proto::limits::MAX_MESSAGE_BYTES),
-                        orchestrator_worker::auth::interceptor(Some(token)),
+                        orchestrator_net::auth::interceptor(Some(token)),
                     ))
-                    .serve_with_incoming_shutdown(orchestrator_worker::grpc::incoming(listener), async move { stop.notified().await }),
+                    .serve_with_incoming_shutdown(orchestrator_net::grpc::incoming(listener), async move { stop.notified().await }),
             )
         };
-        let url = format!("{}://{address}", orchestrator_worker::tls::scheme(tls));
+        let url = format!("{}://{address}", orchestrator_net::tls::scheme(tls));
         // What others dial: a coordinator bound to every interface is reached by its host's name.
         let public_url = if address.ip().is_unspecified() {
             let host = orchestrator_worker::placement::host_name(&|k| std::env::var(k).ok());
-            format!("{}://{}", orchestrator_worker::tls::scheme(tls), orchestrator_worker::placement::join_host_port(&host, address.port()))
+            format!("{}://{}", orchestrator_net::tls::scheme(tls), orchestrator_worker::placement::join_host_port(&host, address.port()))
         } else {
             url.clone()
         };
@@ -73,7 +73,7 @@ impl Endpoint {
     /// stops its workers (and records the shutdown in the journal). Shutdown waits for nothing a
     /// running report, update or probe holds.
     pub async fn serve(&self, session: Arc<Session>, token_file: &Path) {
-        let signal = orchestrator_worker::grpc::shutdown_signal();
+        let signal = orchestrator_net::grpc::shutdown_signal();
         let mut auth = format!("--coordinator {} --token-file {}", self.public_url, token_file.display());
         if let Some(t) = &self.tls {
             auth.push_str(&format!(" --tls-dir {}", t.dir.display()));

@@ -10,9 +10,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use orchestrator_model::AllowedRoots;
 use orchestrator_proto::limits;
 use orchestrator_proto::v1 as pb;
-use orchestrator_worker::auth::AllowedRoots;
 use orchestrator_worker::probe::ProbeSpec;
 
 use crate::cluster::Cluster;
@@ -228,7 +228,7 @@ impl Readiness {
     /// Makes every rank's grpc.health.v1 readiness follow the rotation (SERVING only while its
     /// replica is in rotation on verified weights), and the coordinator's own: SERVING while any
     /// replica serves.
-    async fn sync(&mut self, session: &Session, coordinator: &orchestrator_worker::grpc::Health) {
+    async fn sync(&mut self, session: &Session, coordinator: &orchestrator_net::grpc::Health) {
         let states = session.rotation.states();
         let due = states.iter().enumerate().filter_map(|(dp, st)| {
             let (dp, want) = (dp as u32, (st.serving, st.version.clone()));
@@ -254,7 +254,7 @@ impl Readiness {
 /// heartbeating, and one that is out while every rank is up is brought back (its pending
 /// commit finished first, journaled) once a probe passes. Replicas an update owns are the
 /// update's. Every rank's readiness (and the coordinator's, `health`) follows the rotation.
-pub async fn health_loop(session: Arc<Session>, health: orchestrator_worker::grpc::Health) {
+pub async fn health_loop(session: Arc<Session>, health: orchestrator_net::grpc::Health) {
     let cluster = &session.cluster;
     let rotation = &session.rotation;
     let mut readiness = Readiness::default();

@@ -20,12 +20,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use orchestrator_model::AllowedRoots;
 use orchestrator_model::checkpoint::{ContentClaim, VersionFrom};
 use orchestrator_model::inspect::inspect;
 use orchestrator_model::{Checkpoint, ModelConfig};
 use orchestrator_proto::limits;
 use orchestrator_proto::v1 as pb;
-use orchestrator_worker::auth::AllowedRoots;
 use orchestrator_worker::probe::ProbeSpec;
 use serde::Serialize;
 
@@ -242,7 +242,7 @@ async fn brief_versions(cluster: &Cluster, dp: u32, id: u32) -> Option<(String, 
     let reports = cluster
         .fan_out_in(Some(dp), |w, mut client| {
             let wanted = w.id == id;
-            let req = orchestrator_worker::auth::request(
+            let req = orchestrator_net::auth::request(
                 pb::ReportRequest { shadow: false, brief: true, kept_round_trip: false, identical_to: None },
                 limits::COMMIT_CALL_DEADLINE,
                 Some(&cluster.token),

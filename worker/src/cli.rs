@@ -62,7 +62,7 @@ impl ServeArgs {
     /// Serves until shut down.
     pub fn run(self) -> anyhow::Result<()> {
         use crate::placement::{RankArg, resolve};
-        let tls = self.tls_dir.as_deref().map(crate::tls::TlsFiles::load).transpose()?;
+        let tls = self.tls_dir.as_deref().map(orchestrator_net::tls::TlsFiles::load).transpose()?;
         let env = |k: &str| std::env::var(k).ok();
         let placement = match (self.worker_id, self.rank) {
             (Some(id), _) => resolve(RankArg::Fixed(id), true, &env)?,
@@ -79,7 +79,7 @@ impl ServeArgs {
         if listen.ip().is_unspecified() && advertise.is_none() {
             anyhow::bail!("--listen {listen} binds every interface: say which address peers reach this worker at with --advertise HOST");
         }
-        crate::tls::check_listen(listen, tls.as_ref(), self.insecure, "--listen").map_err(anyhow::Error::msg)?;
+        orchestrator_net::tls::check_listen(listen, tls.as_ref(), self.insecure, "--listen").map_err(anyhow::Error::msg)?;
         crate::device::narrow_to_local_gpu(placement.local_index);
         let secs = |v: f64, flag: &str| std::time::Duration::try_from_secs_f64(v).map_err(|e| anyhow::anyhow!("{flag} {v}: {e}"));
         crate::server::run(crate::server::ServeConfig {
@@ -92,8 +92,8 @@ impl ServeArgs {
                 Some(v) => secs(v, "--join-timeout")?,
                 None => orchestrator_proto::limits::JOIN_TIMEOUT,
             },
-            token: self.token_file.as_deref().map(crate::auth::Token::read).transpose()?,
-            roots: crate::auth::AllowedRoots::new(&self.allow_root)?,
+            token: self.token_file.as_deref().map(orchestrator_net::auth::Token::read).transpose()?,
+            roots: orchestrator_model::AllowedRoots::new(&self.allow_root)?,
             coordinator_grace: secs(self.coordinator_grace, "--coordinator-grace")?,
             health_listen: self.health_listen,
             metrics_listen: self.metrics_listen,

@@ -2,7 +2,6 @@
 //! the permuting pipeline, on a compute backend, and reports what its kernels will read.
 
 pub mod alloc;
-pub mod auth;
 pub mod background;
 pub mod bench;
 pub mod cli;
@@ -11,7 +10,6 @@ pub mod device;
 pub mod dump;
 pub mod faults;
 pub mod golden;
-pub mod grpc;
 pub mod identity;
 pub mod loader;
 pub mod logging;
@@ -27,7 +25,6 @@ pub mod report;
 pub mod roundtrip;
 pub mod server;
 pub mod source;
-pub mod tls;
 
 pub use identity::LayoutIdentity;
 pub use loader::{LoadError, RankLoader, RankWeights};

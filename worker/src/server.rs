@@ -18,7 +18,6 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::auth::{AllowedRoots, Token};
 use crate::collective::{Collective, LocalCollective, RingListener, TcpRing};
 use crate::device::{AnyBackend, DeviceCollectives};
 use crate::faults::{Fault, inject_on};
@@ -26,6 +25,8 @@ use crate::loader::{RankLoader, RankWeights};
 use crate::probe::{ProbeSpec, probe_rank_with};
 use crate::roundtrip::check_rank;
 use crate::source::LoadSource;
+use orchestrator_model::AllowedRoots;
+use orchestrator_net::auth::Token;
 
 /// Deadline of every call the worker makes to the coordinator.
 pub const RPC_DEADLINE: Duration = Duration::from_secs(5);
@@ -279,7 +280,7 @@ pub struct WorkerService {
     advertise: String,
     /// grpc.health.v1 readiness: SERVING only while the coordinator says the replica is in
     /// rotation on this rank's active version (none in in-process tests).
-    health: Option<crate::grpc::Health>,
+    health: Option<orchestrator_net::grpc::Health>,
     /// What the reference computed for the versions and probes this rank was asked about
     /// (keyed by everything the reference depends on, so it outlives any one plan). Locked by
     /// a probe only to look up and to store, never while it holds the state lock.
@@ -448,7 +449,7 @@ impl WorkerService {
     }
 
     /// Reports readiness through `health`, under the host name `host`.
-    pub fn with_health(mut self, health: crate::grpc::Health, host: String) -> Self {
+    pub fn with_health(mut self, health: orchestrator_net::grpc::Health, host: String) -> Self {
         self.health = Some(health);
         self.host = host;
         self
@@ -1137,7 +1138,7 @@ pub struct ServeConfig {
     /// coordinator finds it again within this time); then it stops.
     pub coordinator_grace: Duration,
     /// Serve (and call the coordinator) over TLS with these files.
-    pub tls: Option<crate::tls::TlsFiles>,
+    pub tls: Option<orchestrator_net::tls::TlsFiles>,
     /// Also serve the health statuses in plaintext here (Kubernetes probes).
     pub health_listen: Option<SocketAddr>,
     /// Serve Prometheus metrics at `http://ADDR/metrics`.
@@ -1149,7 +1150,7 @@ pub struct ServeConfig {
 /// rank, protocol, token) ends the attempt at once with the coordinator's reason.
 async fn register(
     coord: &str,
-    tls: Option<&crate::tls::TlsFiles>,
+    tls: Option<&orchestrator_net::tls::TlsFiles>,
     token: Option<&Token>,
     registration: &pb::RegisterRequest,
     join_timeout: Duration,
@@ -1157,13 +1158,13 @@ async fn register(
     let started = Instant::now();
     let mut said = false;
     loop {
-        let last = match crate::tls::connect(coord, tls).await {
+        let last = match orchestrator_net::tls::connect(coord, tls).await {
             Ok(channel) => {
                 let mut client = CoordinatorClient::new(channel);
-                match client.register(crate::auth::request(registration.clone(), RPC_DEADLINE, token)).await {
+                match client.register(orchestrator_net::auth::request(registration.clone(), RPC_DEADLINE, token)).await {
                     Ok(_) => return Ok(client),
                     Err(s) if matches!(s.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded) => {
-                        crate::tls::describe_status(&s)
+                        orchestrator_net::tls::describe_status(&s)
                     }
                     Err(s) => anyhow::bail!("registering rank {} with {coord}: refused: {}", registration.worker_id, s.message()),
                 }
@@ -1201,11 +1202,11 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         metrics_listen,
     } = config;
     let shutdown = Arc::new(Notify::new());
-    let signal = crate::grpc::shutdown_signal();
+    let signal = orchestrator_net::grpc::shutdown_signal();
     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| anyhow::anyhow!("binding {listen}: {e}"))?;
     let address = listener.local_addr()?;
     let advertise = advertise.unwrap_or_else(|| address.ip().to_string());
-    let (router, health) = crate::grpc::standard_router::<WorkerServer<WorkerService>>(tls.as_ref()).await?;
+    let (router, health) = orchestrator_net::grpc::standard_router::<WorkerServer<WorkerService>>(tls.as_ref()).await?;
     if let Some(h) = health_listen {
         let at = health.serve_plaintext(h).await?;
         tracing::info!(%at, "health (plaintext) listening");
@@ -1221,7 +1222,8 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         .with_health(health, placement.host.clone());
     let device = service.backend.name();
     let worker_id = placement.rank;
-    let advertised = format!("{}://{}", crate::tls::scheme(tls.as_ref()), crate::placement::join_host_port(&advertise, address.port()));
+    let advertised =
+        format!("{}://{}", orchestrator_net::tls::scheme(tls.as_ref()), crate::placement::join_host_port(&advertise, address.port()));
     tracing::info!(%address, %advertised, rank = worker_id, source = %placement.source, host = %placement.host, "worker serving");
 
     let mut registered = None;
@@ -1278,12 +1280,12 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
 
     // The port answers from the start (health NOT_SERVING, liveness SERVING), also while the
     // worker waits for its coordinator.
-    let incoming = crate::grpc::incoming(listener);
+    let incoming = orchestrator_net::grpc::incoming(listener);
     let server = tokio::spawn(
         router
             .add_service(tonic::service::interceptor::InterceptedService::new(
                 WorkerServer::new(service).max_decoding_message_size(orchestrator_proto::limits::MAX_MESSAGE_BYTES),
-                crate::auth::interceptor(token.clone()),
+                orchestrator_net::auth::interceptor(token.clone()),
             ))
             .serve_with_incoming_shutdown(incoming, async move {
                 tokio::select! {
@@ -1324,11 +1326,11 @@ async fn heartbeats(
     let mut warned = false;
     loop {
         tokio::time::sleep(orchestrator_proto::limits::HEARTBEAT_INTERVAL).await;
-        let req = crate::auth::request(pb::HeartbeatRequest { worker_id }, Duration::from_secs(2), token.as_ref());
+        let req = orchestrator_net::auth::request(pb::HeartbeatRequest { worker_id }, Duration::from_secs(2), token.as_ref());
         let answered = match client.heartbeat(req).await {
             Ok(_) => true,
             Err(s) if s.code() == tonic::Code::NotFound => {
-                let req = crate::auth::request(registration.clone(), RPC_DEADLINE, token.as_ref());
+                let req = orchestrator_net::auth::request(registration.clone(), RPC_DEADLINE, token.as_ref());
                 match client.register(req).await {
                     Ok(_) => {
                         tracing::info!(worker_id, "registered again with a restarted coordinator");

@@ -316,7 +316,7 @@ struct Rolled {
 
 async fn roll_under_load(
     client: &pb::coordinator_client::CoordinatorClient<tonic::transport::Channel>,
-    token: &orchestrator_worker::auth::Token,
+    token: &orchestrator_net::auth::Token,
     probe: ProbeSpec,
     rate: f64,
     to: &Path,
@@ -326,7 +326,7 @@ async fn roll_under_load(
     let update = async {
         let (t, cpu, by_process) = (Instant::now(), CpuTimes::now(), processes.sample());
         let mut c = client.clone();
-        let req = orchestrator_worker::auth::request(
+        let req = orchestrator_net::auth::request(
             pb::UpdateRequest { checkpoint_dir: to.display().to_string(), max_unavailable: 1, max_staging: 0 },
             Duration::from_secs(3600),
             Some(token),
@@ -476,13 +476,13 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
     eprintln!("the served launch's log (its workers' included): {}", log.display());
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let result = runtime.block_on(async {
-        let token = orchestrator_worker::auth::Token::read(&cluster.token)?;
-        let channel = orchestrator_worker::tls::connect(&cluster.url, None).await?;
+        let token = orchestrator_net::auth::Token::read(&cluster.token)?;
+        let channel = orchestrator_net::tls::connect(&cluster.url, None).await?;
         let client = pb::coordinator_client::CoordinatorClient::new(channel).max_decoding_message_size(64 << 20);
         // The load time of this fresh launch, from its own report.
         let report = {
             let mut c = client.clone();
-            let req = orchestrator_worker::auth::request(pb::ClusterReportRequest { probe: false }, Duration::from_secs(600), Some(&token));
+            let req = orchestrator_net::auth::request(pb::ClusterReportRequest { probe: false }, Duration::from_secs(600), Some(&token));
             let r = c.report(req).await?.into_inner();
             serde_json::from_str::<serde_json::Value>(&r.json)?
         };
@@ -493,8 +493,7 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
             let waited = Instant::now();
             loop {
                 let mut c = client.clone();
-                let req =
-                    orchestrator_worker::auth::request(pb::ClusterReportRequest { probe: false }, Duration::from_secs(60), Some(&token));
+                let req = orchestrator_net::auth::request(pb::ClusterReportRequest { probe: false }, Duration::from_secs(60), Some(&token));
                 let r: serde_json::Value = serde_json::from_str(&c.report(req).await?.into_inner().json)?;
                 let ranks = r["ranks"].as_array().context("the report has no ranks")?;
                 if ranks.iter().all(|r| r["spare_buffers"] == true) {

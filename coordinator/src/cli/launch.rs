@@ -166,7 +166,7 @@ fn seconds(v: f64, flag: &str) -> anyhow::Result<Duration> {
 /// The token: read from `file`, or generated into it (`generated` says whether it goes away
 /// with the cluster).
 struct TokenChoice {
-    token: orchestrator_worker::auth::Token,
+    token: orchestrator_net::auth::Token,
     file: PathBuf,
     generated: bool,
 }
@@ -205,7 +205,7 @@ fn resolve(
         let dir = dir.canonicalize().with_context(|| format!("checkpoint {}", dir.display()))?;
         // The checkpoint's own folder (for a Hugging Face hub snapshot: its repo folder, where
         // the snapshot's symlinks point) is allowed; every file must lie under it.
-        let own = orchestrator_worker::auth::AllowedRoots::for_checkpoint(&dir)?;
+        let own = orchestrator_model::AllowedRoots::for_checkpoint(&dir)?;
         let local = orchestrator_worker::LoadSource::open_checkpoint_within(&dir, &own)
             .with_context(|| format!("opening checkpoint {}", dir.display()))?;
         // Hashed once here: a worker that opens the same files adopts the version.
@@ -221,15 +221,13 @@ fn resolve(
         .map(|r| r.canonicalize().with_context(|| format!("--allow-root {}", r.display())))
         .collect::<Result<Vec<_>, _>>()?;
     if let orchestrator_worker::LoadSource::Safetensors(c) = &local {
-        allow_roots.extend(orchestrator_worker::auth::AllowedRoots::for_checkpoint(c.dir())?.roots().iter().cloned());
+        allow_roots.extend(orchestrator_model::AllowedRoots::for_checkpoint(c.dir())?.roots().iter().cloned());
     }
     let tls = match &a.tls_dir {
-        Some(d) => {
-            Some(orchestrator_worker::tls::TlsFiles::load(&d.canonicalize().with_context(|| format!("--tls-dir {}", d.display()))?)?)
-        }
+        Some(d) => Some(orchestrator_net::tls::TlsFiles::load(&d.canonicalize().with_context(|| format!("--tls-dir {}", d.display()))?)?),
         None => None,
     };
-    orchestrator_worker::tls::check_listen(listen, tls.as_ref(), a.insecure, "--listen").map_err(anyhow::Error::msg)?;
+    orchestrator_net::tls::check_listen(listen, tls.as_ref(), a.insecure, "--listen").map_err(anyhow::Error::msg)?;
     let state_dir = match &a.state_dir {
         Some(d) => {
             std::fs::create_dir_all(d).with_context(|| format!("--state-dir {}", d.display()))?;
@@ -237,7 +235,7 @@ fn resolve(
         }
         None => None,
     };
-    let roots = orchestrator_worker::auth::AllowedRoots::new(&allow_roots)?;
+    let roots = orchestrator_model::AllowedRoots::new(&allow_roots)?;
     let commit_timeout = a.commit_timeout.unwrap_or(orchestrator_proto::limits::COMMIT_DRIVE_LIMIT.as_secs_f64());
     let commit_timeout = Duration::try_from_secs_f64(commit_timeout)
         .ok()
@@ -295,7 +293,7 @@ fn run(plan: launch::LaunchPlan, json: bool, serve: bool) -> anyhow::Result<bool
             return run.await;
         }
         // Interrupted: dropping the launch kills its workers and removes its token file.
-        let signal = orchestrator_worker::grpc::shutdown_signal();
+        let signal = orchestrator_net::grpc::shutdown_signal();
         tokio::select! {
             r = run => r,
             _ = signal => anyhow::bail!("interrupted: the workers were stopped and the launch's token file removed"),
@@ -319,13 +317,13 @@ pub fn launch_cmd(a: LaunchArgs) -> anyhow::Result<bool> {
     let workers = Workers::Local { device, grace: seconds(grace, "--worker-grace")? };
     let plan = resolve(&a.plan, a.listen, workers, |state_dir| {
         Ok(match (&a.token_file, state_dir) {
-            (Some(p), _) => TokenChoice { token: orchestrator_worker::auth::Token::read(p)?, file: p.canonicalize()?, generated: false },
+            (Some(p), _) => TokenChoice { token: orchestrator_net::auth::Token::read(p)?, file: p.canonicalize()?, generated: false },
             (None, dir) => {
                 let p = match dir {
                     Some(d) => d.join(journal::TOKEN_FILE),
                     None => launch::cache_dir().join("run").join(format!("coordinator-{}.token", std::process::id())),
                 };
-                TokenChoice { token: orchestrator_worker::auth::Token::generate(&p)?, file: p, generated: true }
+                TokenChoice { token: orchestrator_net::auth::Token::generate(&p)?, file: p, generated: true }
             }
         })
     })?;
@@ -337,9 +335,9 @@ pub fn coordinator_cmd(a: CoordinatorArgs) -> anyhow::Result<bool> {
     let plan = resolve(&a.plan, a.listen, Workers::Join { timeout }, |_| {
         let p = &a.token_file;
         let token = if p.exists() {
-            orchestrator_worker::auth::Token::read(p)?
+            orchestrator_net::auth::Token::read(p)?
         } else {
-            let t = orchestrator_worker::auth::Token::generate(p)?;
+            let t = orchestrator_net::auth::Token::generate(p)?;
             eprintln!("wrote a new cluster token to {} (give the workers the same file)", p.display());
             t
         };

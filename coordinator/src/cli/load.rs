@@ -5,9 +5,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use orchestrator_net::auth::Token;
 use orchestrator_proto::v1 as pb;
 use orchestrator_proto::v1::coordinator_client::CoordinatorClient;
-use orchestrator_worker::auth::Token;
 use orchestrator_worker::probe::ProbeSpec;
 use tonic::transport::Channel;
 
@@ -79,7 +79,7 @@ pub struct Sample {
 }
 
 fn request(spec: ProbeSpec, token: Option<&Token>) -> tonic::Request<pb::RoutedProbeRequest> {
-    orchestrator_worker::auth::request(
+    orchestrator_net::auth::request(
         pb::RoutedProbeRequest { tokens: spec.tokens as u32, latents: spec.latents as u32, seed: spec.seed },
         Duration::from_secs(60),
         token,

@@ -1,6 +1,7 @@
 //! Access control: a shared token on every control RPC (compared in constant time; a request
-//! without it, or with a wrong one, is refused with `Unauthenticated`), and the directories a
-//! worker may read checkpoints from.
+//! without it, or with a wrong one, is refused with `Unauthenticated`). The directories a worker
+//! may read checkpoints from are the model crate's `AllowedRoots`, which checks every file of a
+//! checkpoint against them.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,13 +11,11 @@ use subtle::ConstantTimeEq;
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Status};
 
-/// Why a token or a path was refused.
+/// Why a token file was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum AuthError {
     #[error("token file {path}: {why}")]
     TokenFile { path: PathBuf, why: String },
-    #[error("checkpoint path {path}: {why}")]
-    Path { path: PathBuf, why: String },
 }
 
 /// The shared secret of a cluster.
@@ -99,29 +98,6 @@ pub fn request<T>(message: T, deadline: Duration, token: Option<&Token>) -> Requ
     r
 }
 
-/// The directories a worker may read checkpoints from (in the model crate, which checks every
-/// file of a checkpoint against them: [`orchestrator_model::Checkpoint::open_within`]).
-pub use orchestrator_model::AllowedRoots;
-pub use orchestrator_model::RootsError;
-
-impl From<RootsError> for AuthError {
-    fn from(e: RootsError) -> Self {
-        let path = e.path().to_path_buf();
-        let why = match &e {
-            RootsError::Root { source, .. } => format!("allowed root: {source}"),
-            RootsError::DotDot { .. } => "`..` is not allowed in checkpoint paths".into(),
-            RootsError::Unresolvable { source, .. } => source.to_string(),
-            RootsError::NoRoots { .. } => "this worker has no --allow-root: it reads no checkpoint directories".into(),
-            RootsError::Outside { resolved, roots, .. } => format!(
-                "resolves to {}, outside the allowed roots ({})",
-                resolved.display(),
-                roots.iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ")
-            ),
-        };
-        AuthError::Path { path, why }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,29 +118,5 @@ mod tests {
         let mut check = interceptor(Some(token));
         assert_eq!(check(Request::new(())).unwrap_err().code(), tonic::Code::Unauthenticated);
         assert!(check(request((), Duration::from_secs(1), Some(&again))).is_ok());
-    }
-
-    #[test]
-    fn roots_refuse_dotdot_and_symlink_escapes() {
-        let tmp = tempfile::tempdir().unwrap();
-        let root = tmp.path().join("root");
-        let inside = root.join("ckpt");
-        let outside = tmp.path().join("elsewhere");
-        std::fs::create_dir_all(&inside).unwrap();
-        std::fs::create_dir_all(&outside).unwrap();
-        let roots = AllowedRoots::new(std::slice::from_ref(&root)).unwrap();
-        assert_eq!(roots.check(&inside).unwrap(), inside.canonicalize().unwrap());
-        assert!(roots.check(&outside).is_err());
-        let e: AuthError = roots.check(&outside).unwrap_err().into();
-        assert!(matches!(&e, AuthError::Path { path, why } if path == &outside && why.contains("outside the allowed roots")), "{e:?}");
-        assert!(roots.check(&root.join("ckpt/../ckpt")).is_err(), "`..` is refused");
-        #[cfg(unix)]
-        {
-            let link = root.join("escape");
-            std::os::unix::fs::symlink(&outside, &link).unwrap();
-            let e = roots.check(&link).unwrap_err().to_string();
-            assert!(e.contains("outside the allowed roots"), "{e}");
-        }
-        assert!(AllowedRoots::default().check(&inside).is_err());
     }
 }
