@@ -152,5 +152,16 @@ mod tests {
         assert!(matches!(AllowedRoots::new(&[tmp.path().join("nope")]), Err(RootsError::Root { .. })));
         assert_eq!(AllowedRoots::for_checkpoint(&inside).unwrap().roots(), &[inside.canonicalize().unwrap()]);
         assert!(matches!(AllowedRoots::for_checkpoint(&root.join("ckpt/../ckpt")), Err(RootsError::DotDot { .. })));
+        // A link inside a root that leads out of it is judged by where it resolves.
+        #[cfg(unix)]
+        {
+            let outside = tmp.path().join("elsewhere");
+            std::fs::create_dir_all(&outside).unwrap();
+            let link = root.join("escape");
+            std::os::unix::fs::symlink(&outside, &link).unwrap();
+            let e = roots.check(&link).unwrap_err();
+            assert!(matches!(e, RootsError::Outside { .. }), "{e:?}");
+            assert!(e.to_string().contains("outside the allowed roots"), "{e}");
+        }
     }
 }
