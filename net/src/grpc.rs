@@ -47,7 +47,7 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
 /// `tcp_nodelay` default only when it binds the address itself, never to a listener handed to
 /// `serve_with_incoming`; without it a response written as more than one segment (an HTTP/2
 /// HEADERS frame, then its DATA and trailers) waits for the peer's delayed ACK, about 40 ms on
-/// Linux: a routed probe that computes in 20 ms answered in 40-48 ms.
+/// Linux: the consistency report an update answers with took 0.041-0.043 s, 0.001 s with it.
 pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
