@@ -158,10 +158,13 @@ pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
         return Err(KernelError::Shape(format!("activations have K = {}, the weight has K = {}", a.k, w.k)));
     }
     let (t_rows, k, n) = (a.rows, w.k, w.n);
-    let a_deq = a.dequantize();
+    // The exact f32 activations, made where a tile first needs them: not at all where every
+    // tile takes the BF16 dot-product path, which reads its own copy.
+    let a_deq = std::sync::OnceLock::new();
+    let a_deq = || -> &[f32] { a_deq.get_or_init(|| a.dequantize()) };
     // A few rows take the BF16 dot-product path or the fused path, which hand back any tile
     // they cannot compute exactly.
-    let dot = dot::Activations::new(&a_deq, t_rows, k);
+    let dot = dot::Activations::from_mx(a);
     let few = dot.is_some() || (t_rows <= fused::FUSED_MAX_ROWS && fused::available());
     // Column tiles in parallel; each writes its own [T, TILE] block, scattered afterwards.
     let tiles: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(TILE))
@@ -173,14 +176,14 @@ pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
                 let mut out = vec![0f32; t_rows * TILE];
                 if few && let Some(weights) = TileWeights::gather(w, n0, scales) {
                     let done =
-                        dot.as_ref().is_some_and(|d| dot::tile(&weights, d, &mut out)) || fused::tile(&weights, &a_deq, t_rows, &mut out);
+                        dot.as_ref().is_some_and(|d| dot::tile(&weights, d, &mut out)) || fused::tile(&weights, a_deq(), t_rows, &mut out);
                     if done {
                         return (n0, out);
                     }
                 }
                 wt.resize(k * TILE, 0.0);
                 tile::fill(w, n0, TILE.min(n - n0), wt);
-                tile::accumulate(&a_deq, t_rows, k, wt, &mut out);
+                tile::accumulate(a_deq(), t_rows, k, wt, &mut out);
                 (n0, out)
             },
         )
