@@ -727,17 +727,23 @@ mod avx512 {
         if _mm512_cmpeq_epi8_mask(nan, _mm512_set1_epi8(-1)) != 0 {
             return false;
         }
-        for (t, sums) in sums.iter().enumerate() {
-            for (sum, rows) in sums.iter().zip([LOW_ROWS, HIGH_ROWS]) {
-                let mut lanes = [0f32; 16];
-                // SAFETY: 16 lanes of 4 bytes.
-                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *sum) };
-                for (v, row) in lanes.into_iter().zip(rows) {
-                    if !v.is_finite() {
-                        return false;
-                    }
-                    out[t * TILE + row] = v;
+        // Output row r is lane d of the low register (index d) or of the high one (16 + d).
+        let index: [i32; TILE] = std::array::from_fn(|r| match LOW_ROWS.iter().position(|&row| row == r) {
+            Some(d) => d as i32,
+            None => 16 + HIGH_ROWS.iter().position(|&row| row == r).expect("every row is a lane") as i32,
+        });
+        // SAFETY: 16 lanes of 4 bytes each.
+        let index = unsafe { [_mm512_loadu_si512(index.as_ptr().cast()), _mm512_loadu_si512(index[16..].as_ptr().cast())] };
+        let exponent = _mm512_set1_epi32(0x7F80_0000);
+        for (sums, out) in sums.iter().zip(out.chunks_exact_mut(TILE)) {
+            for (half, out) in index.iter().zip(out.chunks_exact_mut(16)) {
+                let rows = _mm512_permutex2var_ps(sums[0], *half, sums[1]);
+                // Not finite: every exponent bit set.
+                if _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(rows), exponent), exponent) != 0 {
+                    return false;
                 }
+                // SAFETY: 16 lanes of 4 bytes.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr(), rows) };
             }
         }
         true
