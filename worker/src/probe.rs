@@ -198,7 +198,10 @@ pub fn probe_rank<B: Backend + Sync>(
     source: &LoadSource,
     spec: ProbeSpec,
     rule: ScaleRule,
-) -> Result<RankProbe, LoadError> {
+) -> Result<RankProbe, LoadError>
+where
+    B::Buffer: Sync,
+{
     probe_rank_with(loader, weights, source, spec, rule, true, None)
 }
 
@@ -207,6 +210,22 @@ pub fn probe_rank<B: Backend + Sync>(
 /// reference outputs for this version and probe are taken from it when it has them, and kept
 /// in it when computed.
 pub fn probe_rank_with<B: Backend + Sync>(
+    loader: &RankLoader<'_, B>,
+    weights: &RankWeights<B>,
+    source: &LoadSource,
+    spec: ProbeSpec,
+    rule: ScaleRule,
+    check: bool,
+    cache: Option<&std::sync::Mutex<ReferenceCache>>,
+) -> Result<RankProbe, LoadError>
+where
+    B::Buffer: Sync,
+{
+    crate::background::on_a_pool_thread(|| probe_on_this_thread(loader, weights, source, spec, rule, check, cache))
+}
+
+/// [`probe_rank_with`], on the calling thread.
+fn probe_on_this_thread<B: Backend + Sync>(
     loader: &RankLoader<'_, B>,
     weights: &RankWeights<B>,
     source: &LoadSource,
