@@ -221,94 +221,84 @@ pub fn probe_rank_with<B: Backend + Sync>(
 where
     B::Buffer: Sync,
 {
-    crate::background::on_a_pool_thread(|| probe_on_this_thread(loader, weights, source, spec, rule, check, cache))
-}
-
-/// [`probe_rank_with`], on the calling thread.
-fn probe_on_this_thread<B: Backend + Sync>(
-    loader: &RankLoader<'_, B>,
-    weights: &RankWeights<B>,
-    source: &LoadSource,
-    spec: ProbeSpec,
-    rule: ScaleRule,
-    check: bool,
-    cache: Option<&std::sync::Mutex<ReferenceCache>>,
-) -> Result<RankProbe, LoadError> {
-    let backend = loader.backend();
-    let g = &weights.identity.geometry;
-    let shape = shape_of(g, &weights.shard);
-    let inputs = spec.inputs(g).map_err(|e| LoadError::Config(format!("probe inputs: {e}")))?;
-    let key: ReferenceKey = (source.version(), weights.identity.tp_size, weights.identity.rank, rule, spec);
-    // The cache is locked only to look up and to store, never while computing: a probe that
-    // runs below serving never holds up one that serves.
-    let kept = match (check, cache) {
-        (true, Some(c)) => c.lock().unwrap_or_else(|p| p.into_inner()).get(&key),
-        _ => None,
-    };
-    // A checked probe that found no kept reference computes it: it borrows the cache's scratch
-    // buffers, and gives them back and keeps what it computed at the end.
-    let computes_reference = check && kept.is_none();
-    let mut computed = Vec::new();
-    let mut scratch = if computes_reference { ReferenceCache::scratch(cache) } else { ReferenceScratch::default() };
-    let mut layers = Vec::new();
-    let mut y_partial = Vec::new();
-    let (mut kernel_s, mut reference_s) = (0.0, 0.0);
-    for (i, layer) in weights.layers.iter().enumerate() {
-        let bad = |e: KernelError| LoadError::Config(format!("probe of layer {}: {e}", layer.layer));
-        let t = Instant::now();
-        let mut sink_bytes = Vec::new();
-        backend.download(&layer.attn_sink, &mut sink_bytes).map_err(bad)?;
-        let sink: Vec<f32> = sink_bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        let kernel = run_kernel(backend, &shape, &inputs, [&layer.wq_b, &layer.wo_a, &layer.wo_b], &sink, rule).map_err(bad)?;
-        kernel_s += t.elapsed().as_secs_f64();
-        if check {
+    // On a thread of the pool the GEMMs run on (`background::on_a_pool_thread`).
+    crate::background::on_a_pool_thread(|| {
+        let backend = loader.backend();
+        let g = &weights.identity.geometry;
+        let shape = shape_of(g, &weights.shard);
+        let inputs = spec.inputs(g).map_err(|e| LoadError::Config(format!("probe inputs: {e}")))?;
+        let key: ReferenceKey = (source.version(), weights.identity.tp_size, weights.identity.rank, rule, spec);
+        // The cache is locked only to look up and to store, never while computing: a probe that
+        // runs below serving never holds up one that serves.
+        let kept = match (check, cache) {
+            (true, Some(c)) => c.lock().unwrap_or_else(|p| p.into_inner()).get(&key),
+            _ => None,
+        };
+        // A checked probe that found no kept reference computes it: it borrows the cache's scratch
+        // buffers, and gives them back and keeps what it computed at the end.
+        let computes_reference = check && kept.is_none();
+        let mut computed = Vec::new();
+        let mut scratch = if computes_reference { ReferenceCache::scratch(cache) } else { ReferenceScratch::default() };
+        let mut layers = Vec::new();
+        let mut y_partial = Vec::new();
+        let (mut kernel_s, mut reference_s) = (0.0, 0.0);
+        for (i, layer) in weights.layers.iter().enumerate() {
+            let bad = |e: KernelError| LoadError::Config(format!("probe of layer {}: {e}", layer.layer));
             let t = Instant::now();
-            match kept.as_ref().and_then(|k| k.get(i)) {
-                Some(want) => layers.push(check_layer(layer.layer, &shape, &kernel, want)),
-                None => {
-                    let want = reference_output(loader, source, &shape, &inputs, layer.layer, rule, &mut scratch)?;
-                    layers.push(check_layer(layer.layer, &shape, &kernel, &want));
-                    computed.push(want);
+            let mut sink_bytes = Vec::new();
+            backend.download(&layer.attn_sink, &mut sink_bytes).map_err(bad)?;
+            let sink: Vec<f32> = sink_bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let kernel = run_kernel(backend, &shape, &inputs, [&layer.wq_b, &layer.wo_a, &layer.wo_b], &sink, rule).map_err(bad)?;
+            kernel_s += t.elapsed().as_secs_f64();
+            if check {
+                let t = Instant::now();
+                match kept.as_ref().and_then(|k| k.get(i)) {
+                    Some(want) => layers.push(check_layer(layer.layer, &shape, &kernel, want)),
+                    None => {
+                        let want = reference_output(loader, source, &shape, &inputs, layer.layer, rule, &mut scratch)?;
+                        layers.push(check_layer(layer.layer, &shape, &kernel, &want));
+                        computed.push(want);
+                    }
                 }
+                reference_s += t.elapsed().as_secs_f64();
+            } else {
+                layers.push(LayerProbe {
+                    layer: layer.layer,
+                    q_mismatches: 0,
+                    z_max_abs_err: 0.0,
+                    z_max_rel_err: 0.0,
+                    z_within_tolerance: true,
+                    y_max_abs_err: 0.0,
+                    y_max_rel_err: 0.0,
+                    ok: true,
+                });
             }
-            reference_s += t.elapsed().as_secs_f64();
-        } else {
-            layers.push(LayerProbe {
-                layer: layer.layer,
-                q_mismatches: 0,
-                z_max_abs_err: 0.0,
-                z_max_rel_err: 0.0,
-                z_within_tolerance: true,
-                y_max_abs_err: 0.0,
-                y_max_rel_err: 0.0,
-                ok: true,
-            });
+            y_partial.extend_from_slice(&kernel.y_partial);
         }
-        y_partial.extend_from_slice(&kernel.y_partial);
-    }
-    if computes_reference {
-        ReferenceCache::keep(cache, scratch);
-    }
-    if let Some(c) = cache
-        && computes_reference
-        && computed.len() == weights.layers.len()
-    {
-        c.lock().unwrap_or_else(|p| p.into_inner()).put(key, computed);
-    }
-    let max = |f: fn(&LayerProbe) -> f32| layers.iter().map(f).fold(0f32, f32::max);
-    Ok(RankProbe {
-        spec,
-        q_values: spec.tokens * shape.heads * shape.head_dim,
-        z_max_abs_err: max(|l| l.z_max_abs_err),
-        z_max_rel_err: max(|l| l.z_max_rel_err),
-        y_max_abs_err: max(|l| l.y_max_abs_err),
-        y_max_rel_err: max(|l| l.y_max_rel_err),
-        ok: layers.iter().all(|l| l.ok),
-        layers,
-        y_partial_digest: Digest::of_f32(&y_partial),
-        kernel_s,
-        reference_s,
-        y_partial,
+        if computes_reference {
+            ReferenceCache::keep(cache, scratch);
+        }
+        if let Some(c) = cache
+            && computes_reference
+            && computed.len() == weights.layers.len()
+        {
+            c.lock().unwrap_or_else(|p| p.into_inner()).put(key, computed);
+        }
+        let max = |f: fn(&LayerProbe) -> f32| layers.iter().map(f).fold(0f32, f32::max);
+        Ok(RankProbe {
+            spec,
+            q_values: spec.tokens * shape.heads * shape.head_dim,
+            z_max_abs_err: max(|l| l.z_max_abs_err),
+            z_max_rel_err: max(|l| l.z_max_rel_err),
+            y_max_abs_err: max(|l| l.y_max_abs_err),
+            y_max_rel_err: max(|l| l.y_max_rel_err),
+            ok: layers.iter().all(|l| l.ok),
+            layers,
+            y_partial_digest: Digest::of_f32(&y_partial),
+            kernel_s,
+            reference_s,
+            y_partial,
+        })
     })
 }
 
