@@ -181,13 +181,35 @@ fn worker_command() -> anyhow::Result<(PathBuf, Vec<String>)> {
     if path.exists() { Ok((path, vec!["serve".into()])) } else { Ok((exe, vec!["worker-serve".into()])) }
 }
 
+/// The variable that sizes a worker's thread pool (rayon's own).
+const RAYON_THREADS_ENV: &str = "RAYON_NUM_THREADS";
+
+/// The threads of each worker's pool where the `tp` ranks of a replica share this host's
+/// `cores`: an equal share, at least one, so that a probe's ranks, which compute together, run
+/// one thread per core between them rather than each one per core (they ran twice as many
+/// threads as cores on the 2-core VM at TP 2, and each parallel pass waited on threads that the
+/// other rank's had preempted: `bench update`, TP 2 x DP 2, probe capacity 27.9-29.8 ->
+/// 29.4-31.2 per s, 2 interleaved runs each; the update within its spread). Replicas are not
+/// counted: they serve different probes, and one probed while the others idle keeps every core
+/// (torchrun sets `OMP_NUM_THREADS=1` per rank for the same reason). None where the user set
+/// the variable (`inherited`): the workers inherit theirs. The background pool (staging, below
+/// serving) keeps a thread per core: it runs only on cycles that serving leaves idle.
+fn threads_per_worker(cores: usize, tp: u32, inherited: Option<&std::ffi::OsStr>) -> Option<usize> {
+    match inherited {
+        Some(_) => None,
+        None => Some((cores / tp.max(1) as usize).max(1)),
+    }
+}
+
 impl Cluster {
     /// Starts `tp * dp` worker processes on `device` that register with `coordinator`,
     /// authenticate with the token in `token_file`, read checkpoints only under `allow_roots`,
     /// and keep serving for `grace` while the coordinator is unreachable. GPU workers get
     /// `ORCHESTRATOR_DEVICE=cuda` and one GPU each through `CUDA_VISIBLE_DEVICES` (worker `i`
     /// gets GPU `i mod gpus`, `gpus` from the launcher's own `CUDA_VISIBLE_DEVICES` list, or
-    /// `ORCHESTRATOR_GPUS`, or the GPUs it sees).
+    /// `ORCHESTRATOR_GPUS`, or the GPUs it sees). Each worker's thread pool gets an equal share
+    /// of this host's cores among a replica's ranks ([`threads_per_worker`]) unless
+    /// `RAYON_NUM_THREADS` is set.
     #[allow(clippy::too_many_arguments)]
     pub fn spawn(
         device: WorkerDevice,
@@ -203,11 +225,16 @@ impl Cluster {
     ) -> anyhow::Result<Self> {
         let (bin, leading) = worker_command()?;
         let gpus = gpu_list();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = threads_per_worker(cores, tp, std::env::var_os(RAYON_THREADS_ENV).as_deref());
         let mut workers = Vec::new();
         for id in 0..tp * dp {
             let mut command = Command::new(&bin);
             if device == WorkerDevice::Cuda {
                 command.env(orchestrator_worker::device::DEVICE_ENV, "cuda").env("CUDA_VISIBLE_DEVICES", &gpus[id as usize % gpus.len()]);
+            }
+            if let Some(threads) = threads {
+                command.env(RAYON_THREADS_ENV, threads.to_string());
             }
             let child = command
                 .args(&leading)
@@ -884,5 +911,25 @@ impl Cluster {
             })
             .await;
         results.values().all(Result::is_ok)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::threads_per_worker;
+
+    #[test]
+    fn a_replicas_ranks_share_the_hosts_cores_unless_the_user_sized_their_pools() {
+        // An equal share of the cores among a replica's TP ranks, at least one thread each.
+        assert_eq!(threads_per_worker(2, 4, None), Some(1));
+        assert_eq!(threads_per_worker(2, 2, None), Some(1));
+        assert_eq!(threads_per_worker(2, 1, None), Some(2));
+        assert_eq!(threads_per_worker(64, 8, None), Some(8));
+        assert_eq!(threads_per_worker(64, 6, None), Some(10));
+        assert_eq!(threads_per_worker(1, 0, None), Some(1));
+        // The user's own RAYON_NUM_THREADS (even empty, which rayon reads as its default) is
+        // what the workers inherit.
+        assert_eq!(threads_per_worker(64, 8, Some(std::ffi::OsStr::new("3"))), None);
+        assert_eq!(threads_per_worker(64, 8, Some(std::ffi::OsStr::new(""))), None);
     }
 }
