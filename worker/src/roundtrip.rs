@@ -20,12 +20,69 @@ use crate::source::LoadSource;
 pub struct RoundTrip {
     pub ok: bool,
     pub checked: usize,
-    /// One line per mismatch: tensor and what differed.
-    pub failures: Vec<String>,
+    /// What failed, tensor by tensor (serialized as the lines the reports print).
+    pub failures: Vec<RoundTripFailure>,
     /// Not run here: the verdict of the verified rank (`dp0/tp1`) whose kernel and source bytes
     /// this rank's equal, by digest (a later replica of a version, see the worker's reports).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub identical_to: Option<String>,
+}
+
+/// One way a round trip failed, as data: which tensor, and what the check found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RoundTripFailure {
+    /// The inverse permutations could not be built for this shard.
+    Permutations(String),
+    /// The weights name a scale rule this build does not know.
+    ScaleRule(String),
+    /// Reading a layer back through the inverse hooks and permutations failed.
+    Layer { layer: usize, error: String },
+    /// The inverse gives other bytes than the checkpoint-order data (`what`: the tensor, or
+    /// which part of a quantized one).
+    Mismatch { what: String, got: Digest, want: Digest },
+    /// The load recorded no checkpoint-order digest to compare with.
+    NoDigest { what: String },
+    /// The block scales could not be recompressed from the kernel's per-row scales.
+    BlockScales { tensor: String, error: String },
+    /// The tensor is not one of this geometry's.
+    UnknownTensor { tensor: String },
+    /// Re-reading the checkpoint-order slice to quantize it again failed.
+    Source { tensor: String, error: String },
+}
+
+impl RoundTripFailure {
+    /// The tensor it names (with the part of a quantized one, as in `... (MXFP8 scales)`), where
+    /// it names one.
+    pub fn tensor(&self) -> Option<&str> {
+        match self {
+            Self::Permutations(_) | Self::ScaleRule(_) | Self::Layer { .. } => None,
+            Self::Mismatch { what, .. } | Self::NoDigest { what } => Some(what),
+            Self::BlockScales { tensor, .. } | Self::UnknownTensor { tensor } | Self::Source { tensor, .. } => Some(tensor),
+        }
+    }
+}
+
+/// The line a report prints (and a rank report carries over gRPC).
+impl std::fmt::Display for RoundTripFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Permutations(e) => write!(f, "permutations: {e}"),
+            Self::ScaleRule(e) => write!(f, "{e}"),
+            Self::Layer { layer, error } => write!(f, "layer {layer}: {error}"),
+            Self::Mismatch { what, got, want } => write!(f, "{what}: round trip gives {got}, the checkpoint-order data has {want}"),
+            Self::NoDigest { what } => write!(f, "{what}: no checkpoint-order digest recorded"),
+            Self::BlockScales { tensor, error } => write!(f, "{tensor}: {error}"),
+            Self::UnknownTensor { tensor } => write!(f, "{tensor}: not a tensor of this geometry"),
+            Self::Source { tensor, error } => write!(f, "{tensor}: re-reading the source: {error}"),
+        }
+    }
+}
+
+/// As its line, so that `load --json` reads as before.
+impl Serialize for RoundTripFailure {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
 }
 
 /// Runs the round trip for every layer of a rank against the source it was loaded from, the
@@ -48,7 +105,7 @@ where
         Ok(p) => p,
         Err(e) => {
             out.ok = false;
-            out.failures.push(format!("permutations: {e}"));
+            out.failures.push(RoundTripFailure::Permutations(e.to_string()));
             return out;
         }
     };
@@ -56,7 +113,7 @@ where
         Ok(r) => r,
         Err(e) => {
             out.ok = false;
-            out.failures.push(e);
+            out.failures.push(RoundTripFailure::ScaleRule(e));
             return out;
         }
     };
@@ -67,7 +124,7 @@ where
         .map_init(BufferPool::<B>::default, |pool, layer| {
             let mut one = RoundTrip::default();
             if let Err(e) = check_layer(&ctx, layer, &q, &o, pool, &mut one) {
-                one.failures.push(format!("layer {}: {e}", layer.layer));
+                one.failures.push(RoundTripFailure::Layer { layer: layer.layer, error: e.to_string() });
             }
             one
         })
@@ -114,8 +171,8 @@ fn expect_digest(out: &mut RoundTrip, what: &str, want: Option<Digest>, got: Dig
     out.checked += 1;
     match want {
         Some(w) if w == got => {}
-        Some(w) => out.failures.push(format!("{what}: round trip gives {got}, the checkpoint-order data has {w}")),
-        None => out.failures.push(format!("{what}: no checkpoint-order digest recorded")),
+        Some(want) => out.failures.push(RoundTripFailure::Mismatch { what: what.to_string(), got, want }),
+        None => out.failures.push(RoundTripFailure::NoDigest { what: what.to_string() }),
     }
 }
 
@@ -136,7 +193,7 @@ fn compare<B: Backend>(
                 Ok(bytes) => expect_digest(out, &sname, source_digest(layer, &sname), Digest::of(&bytes)),
                 Err(e) => {
                     out.checked += 1;
-                    out.failures.push(format!("{sname}: {e}"));
+                    out.failures.push(RoundTripFailure::BlockScales { tensor: sname, error: e.to_string() });
                 }
             }
         }
@@ -150,7 +207,7 @@ fn compare<B: Backend>(
             let g = &ctx.weights.identity.geometry;
             let spec = layer_tensors(g, ctx.format, layer.layer).into_iter().find(|s| s.param == param && s.part == Part::Weight);
             let Some(spec) = spec else {
-                out.failures.push(format!("{wname}: not a tensor of this geometry"));
+                out.failures.push(RoundTripFailure::UnknownTensor { tensor: wname });
                 return Ok(());
             };
             let (rows, cols) = rank_slice(g, ctx.format, &ctx.weights.shard, &spec);
@@ -166,9 +223,39 @@ fn compare<B: Backend>(
                     expect_digest(out, &format!("{wname} (MXFP8 elements)"), Some(we), wd);
                     expect_digest(out, &format!("{wname} (MXFP8 scales)"), Some(ws), sd);
                 }
-                Err(e) => out.failures.push(format!("{wname}: re-reading the source: {e}")),
+                Err(e) => out.failures.push(RoundTripFailure::Source { tensor: wname, error: e.to_string() }),
             }
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_is_data_that_reads_and_serializes_as_the_line_reports_print() {
+        let mismatch = RoundTripFailure::Mismatch { what: "layers.3.attn.wq_b.weight".into(), got: Digest(0xab), want: Digest(0xcd) };
+        let failures = vec![
+            mismatch.clone(),
+            RoundTripFailure::NoDigest { what: "layers.0.attn.attn_sink".into() },
+            RoundTripFailure::Layer { layer: 2, error: "shape".into() },
+        ];
+        assert_eq!(mismatch.tensor(), Some("layers.3.attn.wq_b.weight"));
+        assert_eq!(failures[2].tensor(), None);
+        let rt = RoundTrip { ok: false, checked: 7, failures, identical_to: None };
+        assert_eq!(
+            serde_json::to_value(&rt).unwrap(),
+            serde_json::json!({
+                "ok": false,
+                "checked": 7,
+                "failures": [
+                    "layers.3.attn.wq_b.weight: round trip gives 00000000000000ab, the checkpoint-order data has 00000000000000cd",
+                    "layers.0.attn.attn_sink: no checkpoint-order digest recorded",
+                    "layer 2: shape",
+                ],
+            })
+        );
+    }
 }

@@ -1000,7 +1000,7 @@ impl Worker for WorkerService {
                         })
                         .collect(),
                     round_trip_ok: rt.ok,
-                    round_trip_failures: rt.failures,
+                    round_trip_failures: rt.failures.iter().map(ToString::to_string).collect(),
                     round_trip_identical_to: rt.identical_to.unwrap_or_default(),
                     load_seconds,
                     generation: w.generation,

@@ -12,7 +12,7 @@ use orchestrator_kernels::{CpuBackend, Digest, ScaleRule};
 use orchestrator_model::synth::{SynthOptions, write_checkpoint};
 use orchestrator_model::{Generator, ModelConfig, Preset, WeightFormat};
 use orchestrator_worker::dump::dump_rank;
-use orchestrator_worker::roundtrip::check_rank;
+use orchestrator_worker::roundtrip::{RoundTripFailure, check_rank};
 use orchestrator_worker::{LoadSource, RankLoader, RankWeights};
 
 use common::fixture_cases;
@@ -191,8 +191,16 @@ fn the_round_trip_catches_every_injected_fault() {
                 inject_on(&CpuBackend, &mut w, fault).unwrap();
                 let rt = check_rank(&CpuBackend, &w, &source);
                 assert!(!rt.ok, "{fault:?} (bf16 {bf16}, recorded {recorded}) passed the round trip");
-                assert!(rt.failures.iter().any(|f| f.contains(&format!("attn.{tensor}"))), "{fault:?}: {:?}", rt.failures);
-                assert!(rt.failures.iter().all(|f| !f.contains("wo_b")), "{fault:?}: {:?}", rt.failures);
+                // Every failure names a tensor, none of them wo_b; the faulted one's bytes mismatch.
+                let named: Vec<&str> = rt.failures.iter().filter_map(|f| f.tensor()).collect();
+                assert_eq!(named.len(), rt.failures.len(), "{fault:?}: {:?}", rt.failures);
+                assert!(named.iter().all(|t| !t.contains("wo_b")), "{fault:?}: {:?}", rt.failures);
+                let faulted = format!("attn.{tensor}");
+                assert!(
+                    rt.failures.iter().any(|f| matches!(f, RoundTripFailure::Mismatch { what, .. } if what.contains(&faulted))),
+                    "{fault:?}: {:?}",
+                    rt.failures
+                );
             }
         }
     }
