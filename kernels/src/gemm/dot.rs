@@ -202,6 +202,19 @@ mod avx512 {
     const LOW_ROWS: [usize; 16] = [0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27];
     const HIGH_ROWS: [usize; 16] = [4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31];
 
+    /// For each output row, its lane in the two accumulator registers taken as one of 32 lanes
+    /// (`vpermt2ps` indices): lane `d` of the low register, or `16 + d` of the high one.
+    const ROW_LANES: [i32; TILE] = {
+        let mut lanes = [0i32; TILE];
+        let mut d = 0;
+        while d < 16 {
+            lanes[LOW_ROWS[d]] = d as i32;
+            lanes[HIGH_ROWS[d]] = 16 + d as i32;
+            d += 1;
+        }
+        lanes
+    };
+
     /// The byte constants of a decode, made once per process rather than once per tile.
     struct Bytes {
         /// The BF16 bits of each E4M3 magnitude (index: the byte's low seven bits), low bytes
@@ -276,18 +289,20 @@ mod avx512 {
             let hi = _mm512_ternarylogic_epi32::<0xF8>(_mm512_permutex2var_epi8(high[0], x, high[1]), x, sign);
             let bf16 = _mm512_permutex2var_epi8(lo, words, hi);
             let scale = _mm512_set1_ps(crate::e8m0::to_f32(scale));
-            let values = [_mm512_castsi512_si256(bf16), _mm512_extracti64x4_epi64::<1>(bf16)].map(|half| {
-                let v =
-                    _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half))), scale));
-                let nonzero = _mm512_test_epi32_mask(v, abs);
-                let field = _mm512_and_si512(_mm512_srli_epi32::<23>(v), field_mask);
+            // (A loop rather than `map` over the halves: the closure was not inlined.)
+            let halves = [_mm512_castsi512_si256(bf16), _mm512_extracti64x4_epi64::<1>(bf16)];
+            let mut values = [_mm512_setzero_si512(); 2];
+            for (v, half) in values.iter_mut().zip(halves) {
+                let widened = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half));
+                *v = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(widened), scale));
+                let nonzero = _mm512_test_epi32_mask(*v, abs);
+                let field = _mm512_and_si512(_mm512_srli_epi32::<23>(*v), field_mask);
                 // Low mantissa bits, or an exponent field of 0 or 255 (field - 1 above 253).
-                let off = _mm512_test_epi32_mask(v, low16) | _mm512_cmpgt_epu32_mask(_mm512_sub_epi32(field, one), top);
+                let off = _mm512_test_epi32_mask(*v, low16) | _mm512_cmpgt_epu32_mask(_mm512_sub_epi32(field, one), top);
                 unusable |= nonzero & off != 0;
                 min = _mm512_mask_min_epu32(min, nonzero, min, field);
                 max = _mm512_mask_max_epu32(max, nonzero, max, field);
-                v
-            });
+            }
             // SAFETY: 16 dwords.
             unsafe { _mm512_storeu_si512(out.as_mut_ptr().cast(), _mm512_permutex2var_epi16(values[0], pair_words, values[1])) };
         }
@@ -727,13 +742,8 @@ mod avx512 {
         if _mm512_cmpeq_epi8_mask(nan, _mm512_set1_epi8(-1)) != 0 {
             return false;
         }
-        // Output row r is lane d of the low register (index d) or of the high one (16 + d).
-        let index: [i32; TILE] = std::array::from_fn(|r| match LOW_ROWS.iter().position(|&row| row == r) {
-            Some(d) => d as i32,
-            None => 16 + HIGH_ROWS.iter().position(|&row| row == r).expect("every row is a lane") as i32,
-        });
         // SAFETY: 16 lanes of 4 bytes each.
-        let index = unsafe { [_mm512_loadu_si512(index.as_ptr().cast()), _mm512_loadu_si512(index[16..].as_ptr().cast())] };
+        let index = unsafe { [_mm512_loadu_si512(ROW_LANES.as_ptr().cast()), _mm512_loadu_si512(ROW_LANES[16..].as_ptr().cast())] };
         let exponent = _mm512_set1_epi32(0x7F80_0000);
         for (sums, out) in sums.iter().zip(out.chunks_exact_mut(TILE)) {
             for (half, out) in index.iter().zip(out.chunks_exact_mut(16)) {
