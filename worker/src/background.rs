@@ -7,7 +7,9 @@
 //! of a contended core: `bench update` measured probe p50 during an update 0.20-0.23 s under
 //! nice +10 and 0.13-0.14 s under SCHED_IDLE, 0.12-0.13 s before it). Their large buffers keep
 //! 4 KiB pages ([`crate::alloc::small_pages_on_this_thread`]). The pool has as many threads as
-//! the machine has cores (bounded), and is made once per process.
+//! the machine has cores (bounded), and is made once per process. [`on_a_pool_thread`] is the
+//! other side of it: work that computes on the pool it is called from (a probe) starts on one of
+//! that pool's threads.
 
 use std::sync::OnceLock;
 
