@@ -26,7 +26,7 @@ const HUGE_PAGE: usize = 2 << 20;
 /// Free bytes each of glibc's heaps keeps at its top rather than returning them.
 pub const KEPT_FREE: usize = 32 << 20;
 
-/// Sets glibc's malloc to serve every block below [`HUGE`] from its heaps (the larger ones are
+/// Sets glibc's malloc to serve every block below 4 MiB (`HUGE`) from its heaps (the larger ones are
 /// this allocator's) and to keep [`KEPT_FREE`] bytes of each heap's free top (module docs).
 /// Call it first thing in `main`. False when glibc refused a value (its defaults then stay,
 /// which are correct, only slower); elsewhere than glibc it does nothing and says true.
