@@ -87,7 +87,11 @@ pub fn serialize_hex<S: serde::Serializer>(d: &Digest, s: S) -> Result<S::Ok, S:
 
 /// Scratch memory one layer keeps for reloads: backend buffers and host staging.
 pub struct LayerScratch<B: Backend> {
-    pub(crate) pool: BufferPool<B>,
+    /// Backend buffers per parameter (indexed by [`param_slot`]), each parameter's own: its
+    /// pipeline takes and gives them in the same order on every load, so a reload finds each
+    /// buffer it needs where the load left it. (One pool for the layer let a reload hand one
+    /// parameter's scale buffer to another's scratch, and allocate the first a new one.)
+    pub(crate) pools: [BufferPool<B>; 4],
     /// Host staging per parameter (indexed by [`param_slot`]): each keeps the capacity its
     /// parameter needs, so a reload never reallocates.
     pub(crate) host_weight: [Vec<u8>; 4],
@@ -106,7 +110,7 @@ pub(crate) fn param_slot(p: Param) -> usize {
 
 impl<B: Backend> Default for LayerScratch<B> {
     fn default() -> Self {
-        Self { pool: BufferPool::default(), host_weight: Default::default(), host_scale: Vec::new() }
+        Self { pools: Default::default(), host_weight: Default::default(), host_scale: Vec::new() }
     }
 }
 
@@ -133,17 +137,17 @@ impl<B: Backend> LayerWeights<B> {
     /// Gives every buffer back to the layer's scratch (a reload then writes into them).
     fn into_scratch(self) -> LayerScratch<B> {
         let mut s = self.scratch;
-        self.wq_b.recycle(&mut s.pool);
-        self.wo_a.recycle(&mut s.pool);
-        self.wo_b.recycle(&mut s.pool);
-        s.pool.give(self.attn_sink);
+        self.wq_b.recycle(&mut s.pools[param_slot(Param::WqB)]);
+        self.wo_a.recycle(&mut s.pools[param_slot(Param::WoA)]);
+        self.wo_b.recycle(&mut s.pools[param_slot(Param::WoB)]);
+        s.pools[param_slot(Param::AttnSink)].give(self.attn_sink);
         s
     }
 
     /// Allocation identities of the scratch buffers kept for reloads.
     pub fn scratch_allocation_ids(&self, backend: &B) -> Vec<usize> {
         let host = self.scratch.host_weight.iter().chain(std::iter::once(&self.scratch.host_scale)).map(|v| v.as_ptr() as usize);
-        self.scratch.pool.allocation_ids(backend).into_iter().chain(host).collect()
+        self.scratch.pools.iter().flat_map(|p| p.allocation_ids(backend)).chain(host).collect()
     }
 
     /// Allocation identities of the kernel buffers (to show a reload reuses them).
@@ -397,7 +401,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             placed[0] = placed_wq_b;
             let t = Instant::now();
             let k = fused
-                .into_kernel(backend, &mut scratch.pool)
+                .into_kernel(backend, &mut scratch.pools[param_slot(Param::WqB)])
                 .map_err(|e| tensor_error(&checkpoint_name(layer, Param::WqB, Part::Weight), None, e))?;
             times.pipeline_s += t.elapsed().as_secs_f64();
             k
@@ -416,7 +420,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             placed[1] = placed_wo_a;
             let t = Instant::now();
             let k = fused
-                .into_kernel(backend, self.shard.n_local_groups, &mut scratch.pool)
+                .into_kernel(backend, self.shard.n_local_groups, &mut scratch.pools[param_slot(Param::WoA)])
                 .map_err(|e| tensor_error(&checkpoint_name(layer, Param::WoA, Part::Weight), None, e))?;
             times.pipeline_s += t.elapsed().as_secs_f64();
             k
@@ -435,7 +439,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             placed[2] = placed_wo_b;
             let t = Instant::now();
             let k = mx
-                .into_kernel(backend, &mut scratch.pool)
+                .into_kernel(backend, &mut scratch.pools[param_slot(Param::WoB)])
                 .map_err(|e| tensor_error(&checkpoint_name(layer, Param::WoB, Part::Weight), None, e))?;
             times.pipeline_s += t.elapsed().as_secs_f64();
             k
@@ -450,7 +454,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
                 return Err(tensor_error(&spec.name, file, KernelError::NonFinite { row: 0, col: self.shard.heads().start + at }));
             }
             source_digests.push(digest_of(spec, host, vec![self.shard.n_local_heads]));
-            let mut buf = scratch.pool.take(self.backend, host.len());
+            let mut buf = scratch.pools[param_slot(Param::AttnSink)].take(self.backend, host.len());
             self.backend.upload(host, &mut buf).map_err(|e| tensor_error(&spec.name, None, e))?;
             times.read_s += t.elapsed().as_secs_f64();
             buf
@@ -507,7 +511,7 @@ impl<'b, B: Backend + Sync> RankLoader<'b, B> {
             WeightFormat::Fp8 { block } => WeightSource::Fp8 { weight, block_scale: &scratch.host_scale, block },
             WeightFormat::Bf16 => WeightSource::Bf16 { weight },
         };
-        let (built, sd) = build(src, n_rows, n_cols, &mut scratch.pool).map_err(|e| match (e, &scale_ctx) {
+        let (built, sd) = build(src, n_rows, n_cols, &mut scratch.pools[slot]).map_err(|e| match (e, &scale_ctx) {
             (KernelError::NanScale { row, col }, Some((sspec, file, (r0, c0), _))) => LoadError::Tensor {
                 tensor: sspec.name.clone(),
                 file: file.clone(),

@@ -159,7 +159,7 @@ impl<B: Backend + Sync> RankLoader<'_, B> {
         let mut bytes = w.take_owned();
         let copied = mx.to_host_into(backend, &mut bytes, s);
         *w = ReferenceBytes::Owned(bytes);
-        mx.recycle(&mut scratch.pool);
+        mx.recycle(&mut scratch.pools[param_slot(param)]);
         copied.map_err(|e| tensor_error(&checkpoint_name(layer, param, Part::Weight), None, e))
     }
 
