@@ -123,15 +123,21 @@ pub struct SourceDigests {
 #[derive(Clone, Debug)]
 pub struct QPermutation {
     rows: Permutation,
+    inverse: Permutation,
 }
 
 impl QPermutation {
     /// From the module's geometry: the rank's local heads and head_dim.
     pub fn new(n_local_heads: usize, head_dim: usize) -> Result<Self, KernelError> {
-        Ok(Self { rows: Permutation::q_rows(n_local_heads, head_dim)? })
+        let rows = Permutation::q_rows(n_local_heads, head_dim)?;
+        Ok(Self { inverse: rows.inverse(), rows })
     }
     pub fn rows(&self) -> &Permutation {
         &self.rows
+    }
+    /// `rows().inverse()`, made once.
+    pub fn rows_inverse(&self) -> &Permutation {
+        &self.inverse
     }
 }
 
@@ -141,6 +147,7 @@ impl QPermutation {
 pub struct OPermutation {
     columns: Permutation,
     chunks: Permutation,
+    chunks_inverse: Permutation,
 }
 
 impl OPermutation {
@@ -148,13 +155,17 @@ impl OPermutation {
     pub fn new(head_dim: usize) -> Result<Self, KernelError> {
         let columns = Permutation::o_columns(head_dim)?;
         let chunks = columns.of_chunks(O_CHUNK)?;
-        Ok(Self { columns, chunks })
+        Ok(Self { chunks_inverse: chunks.inverse(), columns, chunks })
     }
     pub fn columns(&self) -> &Permutation {
         &self.columns
     }
     pub fn chunks(&self) -> &Permutation {
         &self.chunks
+    }
+    /// `chunks().inverse()`, made once.
+    pub fn chunks_inverse(&self) -> &Permutation {
+        &self.chunks_inverse
     }
 }
 
@@ -240,22 +251,23 @@ pub fn block_scales_of(scale: &[u8], rows: usize, k: usize, block: [usize; 2]) -
 /// A kernel tensor read back in checkpoint order, for the round trip: the digest of its weight
 /// bytes as the inverse hooks and inverse permutation lay them out (computed through the
 /// inverse index map, without writing them: [`Backend::digest_gathered_runs`]), and its per-row
-/// scales `[rows, k/32]` in checkpoint order (host bytes; a thirty-second of the weight).
+/// scales `[rows, k/32]` in checkpoint order (host bytes, a thirty-second of the weight, in a
+/// buffer the caller keeps for the next view).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CheckpointOrderView {
+pub struct CheckpointOrderView<'a> {
     pub weight: Digest,
-    pub scale: Vec<u8>,
+    pub scale: &'a [u8],
     pub rows: usize,
     pub k: usize,
 }
 
-impl CheckpointOrderView {
+impl CheckpointOrderView<'_> {
     pub fn scale_digest(&self) -> Digest {
-        Digest::of(&self.scale)
+        Digest::of(self.scale)
     }
     /// The block scale the per-row scales were expanded from (FP8 checkpoints).
     pub fn block_scales(&self, block: [usize; 2]) -> Result<Vec<u8>, KernelError> {
-        block_scales_of(&self.scale, self.rows, self.k, block)
+        block_scales_of(self.scale, self.rows, self.k, block)
     }
 }
 
@@ -636,14 +648,16 @@ impl<B: Backend> KernelTensor<B> {
     }
 
     /// The scale in checkpoint order through `(row, run, inv)` (runs of `run` bytes in rows of `row`), on
-    /// the host, and the weight's digest through its own inverse the same way (`None`: as stored).
-    fn view_through(
+    /// the host in `host`, and the weight's digest through its own inverse the same way (`None`: as
+    /// stored). Scratch comes from `pool` and goes back to it.
+    fn view_through<'h>(
         &self,
         backend: &B,
         pool: &mut BufferPool<B>,
+        host: &'h mut Vec<u8>,
         weight: Option<(usize, usize, &Permutation)>,
         scale: Option<(usize, usize, &Permutation)>,
-    ) -> Result<CheckpointOrderView, KernelError> {
+    ) -> Result<CheckpointOrderView<'h>, KernelError> {
         let (rows, k) = self.rows_and_k();
         let per_row = self.scale_per_row(backend, pool)?;
         let ordered = match scale {
@@ -659,8 +673,7 @@ impl<B: Backend> KernelTensor<B> {
             }
             None => per_row,
         };
-        let mut host = Vec::new();
-        let downloaded = backend.download(&ordered, &mut host);
+        let downloaded = backend.download(&ordered, host);
         pool.give(ordered);
         downloaded?;
         let weight = match weight {
@@ -671,43 +684,50 @@ impl<B: Backend> KernelTensor<B> {
     }
 
     /// `wq_b` read back through the linear hook's inverse and the inverse Q row permutation.
-    pub fn wq_b_in_checkpoint_order(
+    pub fn wq_b_in_checkpoint_order<'h>(
         &self,
         backend: &B,
         q: &QPermutation,
         pool: &mut BufferPool<B>,
-    ) -> Result<CheckpointOrderView, KernelError> {
+        host: &'h mut Vec<u8>,
+    ) -> Result<CheckpointOrderView<'h>, KernelError> {
         self.expect_layout(matches!(self.scale_layout, ScaleLayout::Swizzled128x4 { .. }), "wq_b")?;
         let (rows, k) = self.rows_and_k();
-        let inv = q.rows().inverse();
+        let inv = q.rows_inverse();
         if inv.len() != rows {
             return Err(KernelError::Shape(format!("the Q permutation covers {} rows but the shard has {rows}", inv.len())));
         }
         let c = k / BLOCK;
-        self.view_through(backend, pool, Some((rows * k, k, &inv)), Some((rows * c, c, &inv)))
+        self.view_through(backend, pool, host, Some((rows * k, k, inv)), Some((rows * c, c, inv)))
     }
 
     /// `wo_a` read back through the BMM hook's inverse and the inverse O chunk permutation.
-    pub fn wo_a_in_checkpoint_order(
+    pub fn wo_a_in_checkpoint_order<'h>(
         &self,
         backend: &B,
         o: &OPermutation,
         pool: &mut BufferPool<B>,
-    ) -> Result<CheckpointOrderView, KernelError> {
+        host: &'h mut Vec<u8>,
+    ) -> Result<CheckpointOrderView<'h>, KernelError> {
         self.expect_layout(matches!(self.scale_layout, ScaleLayout::PackedUe8m0 { .. }), "wo_a")?;
         let (_, k) = self.rows_and_k();
-        let inv = o.chunks().inverse();
+        let inv = o.chunks_inverse();
         if inv.len() * O_CHUNK != k {
             return Err(KernelError::Shape(format!("the O permutation covers {} columns but wo_a has {k}", inv.len() * O_CHUNK)));
         }
         let c = k / BLOCK;
-        self.view_through(backend, pool, Some((k, O_CHUNK, &inv)), Some((c, 1, &inv)))
+        self.view_through(backend, pool, host, Some((k, O_CHUNK, inv)), Some((c, 1, inv)))
     }
 
     /// `wo_b` read back through the linear hook's inverse (it is never permuted).
-    pub fn wo_b_in_checkpoint_order(&self, backend: &B, pool: &mut BufferPool<B>) -> Result<CheckpointOrderView, KernelError> {
+    pub fn wo_b_in_checkpoint_order<'h>(
+        &self,
+        backend: &B,
+        pool: &mut BufferPool<B>,
+        host: &'h mut Vec<u8>,
+    ) -> Result<CheckpointOrderView<'h>, KernelError> {
         self.expect_layout(matches!(self.scale_layout, ScaleLayout::Swizzled128x4 { .. }), "wo_b")?;
-        self.view_through(backend, pool, None, None)
+        self.view_through(backend, pool, host, None, None)
     }
 
     fn expect_layout(&self, ok: bool, what: &str) -> Result<(), KernelError> {

@@ -11,6 +11,7 @@ use orchestrator_kernels::{Backend, BufferPool, Digest, KernelError, ScaleRule};
 use orchestrator_model::names::{checkpoint_name, layer_tensors};
 use orchestrator_model::{Param, Part, WeightFormat};
 use serde::Serialize;
+use std::sync::{Arc, Mutex};
 
 use crate::loader::{LayerWeights, RankWeights, rank_slice};
 use crate::source::LoadSource;
@@ -94,14 +95,79 @@ impl Serialize for RoundTripFailure {
 /// check costs about one read of the rank's bytes and allocates nothing the size of a tensor.
 pub fn check_rank<B: Backend + Sync>(backend: &B, weights: &RankWeights<B>, source: &LoadSource) -> RoundTrip
 where
-    B::Buffer: Sync,
+    B::Buffer: Send + Sync,
+{
+    check_rank_with(backend, weights, source, &RoundTripScratch::default())
+}
+
+/// Scratch buffers that round trips keep for the next one: a worker's round trips (its load's,
+/// then each stage's) find the buffers the one before faulted in, instead of mapping and zeroing
+/// fresh ones on every layer of every check (on a VM whose host reclaims free guest memory, each
+/// such page fault is also a host fault). Holds one set per layer checked at once: at most the
+/// threads of the pools that run round trips.
+pub struct RoundTripScratch<B: Backend> {
+    free: Mutex<Vec<LayerScratch<B>>>,
+    /// The Q and O permutations of the last shape checked (local heads, head_dim).
+    permutations: Mutex<Option<Permutations>>,
+}
+
+type Permutations = Arc<((usize, usize), QPermutation, OPermutation)>;
+
+/// What one layer's check needs: backend buffers for the inverse hooks and permutations, and
+/// the host buffer each view's scales are downloaded into.
+struct LayerScratch<B: Backend> {
+    pool: BufferPool<B>,
+    host: Vec<u8>,
+}
+
+impl<B: Backend> Default for RoundTripScratch<B> {
+    fn default() -> Self {
+        Self { free: Mutex::new(Vec::new()), permutations: Mutex::new(None) }
+    }
+}
+
+impl<B: Backend> RoundTripScratch<B> {
+    fn take(&self) -> LayerScratch<B> {
+        self.free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_else(|| LayerScratch { pool: BufferPool::default(), host: Vec::new() })
+    }
+
+    fn give(&self, scratch: LayerScratch<B>) {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(scratch);
+    }
+
+    /// The permutations of `n_local_heads` heads of `head_dim`: the kept ones when they are of
+    /// that shape, else made (and kept).
+    fn permutations(&self, n_local_heads: usize, head_dim: usize) -> Result<Permutations, KernelError> {
+        let shape = (n_local_heads, head_dim);
+        let mut kept = self.permutations.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = kept.as_ref().filter(|p| p.0 == shape) {
+            return Ok(p.clone());
+        }
+        let made = Arc::new((shape, QPermutation::new(n_local_heads, head_dim)?, OPermutation::new(head_dim)?));
+        *kept = Some(made.clone());
+        Ok(made)
+    }
+}
+
+/// [`check_rank`] on buffers kept in `scratch` (and left there for the next check).
+pub fn check_rank_with<B: Backend + Sync>(
+    backend: &B,
+    weights: &RankWeights<B>,
+    source: &LoadSource,
+    scratch: &RoundTripScratch<B>,
+) -> RoundTrip
+where
+    B::Buffer: Send + Sync,
 {
     use rayon::prelude::*;
     let format = source.config().format;
     let g = &weights.identity.geometry;
     let mut out = RoundTrip { ok: true, ..Default::default() };
-    let perms = QPermutation::new(weights.shard.n_local_heads, g.head_dim).and_then(|q| Ok((q, OPermutation::new(g.head_dim)?)));
-    let (q, o) = match perms {
+    let perms = match scratch.permutations(weights.shard.n_local_heads, g.head_dim) {
         Ok(p) => p,
         Err(e) => {
             out.ok = false;
@@ -118,14 +184,17 @@ where
         }
     };
     let ctx = Context { backend, weights, source, format, rule };
+    let (_, q, o) = &*perms;
     let layers: Vec<RoundTrip> = weights
         .layers
         .par_iter()
-        .map_init(BufferPool::<B>::default, |pool, layer| {
+        .map(|layer| {
             let mut one = RoundTrip::default();
-            if let Err(e) = check_layer(&ctx, layer, &q, &o, pool, &mut one) {
+            let mut kept = scratch.take();
+            if let Err(e) = check_layer(&ctx, layer, q, o, &mut kept, &mut one) {
                 one.failures.push(RoundTripFailure::Layer { layer: layer.layer, error: e.to_string() });
             }
+            scratch.give(kept);
             one
         })
         .collect();
@@ -150,13 +219,14 @@ fn check_layer<B: Backend>(
     layer: &LayerWeights<B>,
     q: &QPermutation,
     o: &OPermutation,
-    pool: &mut BufferPool<B>,
+    scratch: &mut LayerScratch<B>,
     out: &mut RoundTrip,
 ) -> Result<(), KernelError> {
     let (l, backend) = (layer.layer, ctx.backend);
-    compare(ctx, layer, Param::WqB, &layer.wq_b.wq_b_in_checkpoint_order(backend, q, pool)?, out)?;
-    compare(ctx, layer, Param::WoA, &layer.wo_a.wo_a_in_checkpoint_order(backend, o, pool)?, out)?;
-    compare(ctx, layer, Param::WoB, &layer.wo_b.wo_b_in_checkpoint_order(backend, pool)?, out)?;
+    let LayerScratch { pool, host } = scratch;
+    compare(ctx, layer, Param::WqB, &layer.wq_b.wq_b_in_checkpoint_order(backend, q, pool, host)?, out)?;
+    compare(ctx, layer, Param::WoA, &layer.wo_a.wo_a_in_checkpoint_order(backend, o, pool, host)?, out)?;
+    compare(ctx, layer, Param::WoB, &layer.wo_b.wo_b_in_checkpoint_order(backend, pool, host)?, out)?;
     let sink = checkpoint_name(l, Param::AttnSink, Part::Weight);
     let got = backend.digest(&layer.attn_sink)?;
     expect_digest(out, &sink, source_digest(layer, &sink), got);
@@ -180,7 +250,7 @@ fn compare<B: Backend>(
     ctx: &Context<'_, B>,
     layer: &LayerWeights<B>,
     param: Param,
-    back: &CheckpointOrderView,
+    back: &CheckpointOrderView<'_>,
     out: &mut RoundTrip,
 ) -> Result<(), KernelError> {
     let wname = checkpoint_name(layer.layer, param, Part::Weight);

@@ -23,7 +23,7 @@ use crate::device::{AnyBackend, DeviceCollectives};
 use crate::faults::{Fault, inject_on};
 use crate::loader::{RankLoader, RankWeights};
 use crate::probe::{ProbeSpec, probe_rank_with};
-use crate::roundtrip::check_rank;
+use crate::roundtrip::{RoundTripScratch, check_rank_with};
 use crate::source::LoadSource;
 use orchestrator_model::AllowedRoots;
 use orchestrator_net::auth::Token;
@@ -285,6 +285,8 @@ pub struct WorkerService {
     /// (keyed by everything the reference depends on, so it outlives any one plan). Locked by
     /// a probe only to look up and to store, never while it holds the state lock.
     reference_cache: Arc<Mutex<crate::probe::ReferenceCache>>,
+    /// The buffers every round trip of this rank (its loads' and stages') reuses.
+    round_trip_scratch: Arc<RoundTripScratch<AnyBackend>>,
 }
 
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
@@ -438,6 +440,7 @@ impl WorkerService {
             advertise: "127.0.0.1".into(),
             health: None,
             reference_cache: Default::default(),
+            round_trip_scratch: Default::default(),
         }
     }
 
@@ -531,6 +534,7 @@ impl WorkerService {
         let state = self.state.clone();
         let backend = self.backend.clone();
         let reference_cache = self.reference_cache.clone();
+        let round_trip_scratch = self.round_trip_scratch.clone();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let (mut reference_s, mut round_trip_s) = (0.0, 0.0);
@@ -581,7 +585,7 @@ impl WorkerService {
                         return Ok((w, None));
                     }
                     let t = Instant::now();
-                    let rt = crate::background::run(|| check_rank(backend, &w, &source));
+                    let rt = crate::background::run(|| check_rank_with(backend, &w, &source, &round_trip_scratch));
                     round_trip_s = t.elapsed().as_secs_f64();
                     return Ok((w, Some(rt)));
                 }
@@ -906,6 +910,7 @@ impl Worker for WorkerService {
         let state = self.state.clone();
         let host = self.host.clone();
         let backend = self.backend.clone();
+        let round_trip_scratch = self.round_trip_scratch.clone();
         tokio::task::spawn_blocking(move || {
             let work = move || {
                 let mut st = lock(&state);
@@ -951,7 +956,7 @@ impl Worker for WorkerService {
                 };
                 drop(st);
                 let rt = kept.unwrap_or_else(|| {
-                    let rt = check_rank(&*backend, &w, &source);
+                    let rt = check_rank_with(&*backend, &w, &source, &round_trip_scratch);
                     // A deferred round trip, once run, stands for the stage as the stage's own would.
                     let mut st = lock(&state);
                     if let (true, Some(staged)) = (shadow, st.shadow.as_mut())

@@ -1,6 +1,7 @@
 //! A reload replays the pipeline into the rank's existing buffers: after the first load, a
-//! reload of the same shapes allocates no large buffer at all (counted by a global allocator;
-//! this file holds one test so nothing else allocates meanwhile).
+//! reload of the same shapes allocates no large buffer at all; and a round trip on the scratch
+//! an earlier one kept allocates none either (counted by a global allocator; this file holds
+//! one test so nothing else allocates meanwhile).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -8,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use orchestrator_kernels::{CpuBackend, ScaleRule};
 use orchestrator_model::synth::{SynthOptions, write_checkpoint};
 use orchestrator_model::{Generator, ModelConfig, Preset, WeightFormat};
+use orchestrator_worker::roundtrip::{RoundTripScratch, check_rank_with};
 use orchestrator_worker::{LoadSource, RankLoader};
 
 struct Counting;
@@ -59,22 +61,31 @@ fn reloads_allocate_no_large_buffers() {
 }
 
 /// Loads each rank of `ranks` (TP size, rank) from `source`, then reloads it twice, counting
-/// the large allocations of each reload.
+/// the large allocations of each reload; then runs its round trip twice on the same kept
+/// scratch, the second of which must allocate nothing large either.
 fn reloads_of(source: &LoadSource, ranks: &[(usize, usize)]) {
     let format = source.config().format;
+    let large_allocs_of = |f: &mut dyn FnMut()| {
+        let before = LARGE_ALLOCS.load(Ordering::Relaxed);
+        f();
+        LARGE_ALLOCS.load(Ordering::Relaxed) - before
+    };
     for &(tp, rank) in ranks {
+        let what = format!("{format:?} {} tp {tp} rank {rank}", source.format_name());
         let loader = RankLoader::new(&CpuBackend, source.config(), tp, rank, ScaleRule::Rceil).unwrap();
-        let mut w = loader.load(source).unwrap();
+        let mut w = Some(loader.load(source).unwrap());
         for _ in 0..2 {
-            let before = LARGE_ALLOCS.load(Ordering::Relaxed);
-            w = loader.reload(w, source).unwrap();
-            let during = LARGE_ALLOCS.load(Ordering::Relaxed) - before;
-            assert_eq!(
-                during,
-                0,
-                "{format:?} {} tp {tp} rank {rank}: a reload made {during} allocations of >= {LARGE} bytes",
-                source.format_name()
-            );
+            let during = large_allocs_of(&mut || w = Some(loader.reload(w.take().unwrap(), source).unwrap()));
+            assert_eq!(during, 0, "{what}: a reload made {during} allocations of >= {LARGE} bytes");
         }
+        // On one thread, so that both round trips check their layers one at a time (more at
+        // once would each take a scratch set of their own, as many as ran at once before).
+        let (w, scratch) = (w.unwrap(), RoundTripScratch::default());
+        let one_thread = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        assert!(one_thread.install(|| check_rank_with(&CpuBackend, &w, source, &scratch)).ok, "{what}: the first round trip");
+        let mut second = None;
+        let during = large_allocs_of(&mut || second = Some(one_thread.install(|| check_rank_with(&CpuBackend, &w, source, &scratch))));
+        assert!(second.is_some_and(|rt| rt.ok && rt.checked > 0), "{what}: the second round trip");
+        assert_eq!(during, 0, "{what}: a round trip on kept scratch made {during} allocations of >= {LARGE} bytes");
     }
 }
