@@ -5,13 +5,14 @@
 //! (digested in checkpoint order before its blocks were placed), or, where the load did not
 //! record that (a device quantizer), recomputed here with the plain (unpermuted) quantizer.
 
+use std::sync::{Arc, Mutex};
+
 use orchestrator_kernels::mxfp8::quantize_bf16_rows;
 use orchestrator_kernels::params::{CheckpointOrderView, OPermutation, QPermutation};
 use orchestrator_kernels::{Backend, BufferPool, Digest, KernelError, ScaleRule};
 use orchestrator_model::names::{checkpoint_name, layer_tensors};
 use orchestrator_model::{Param, Part, WeightFormat};
 use serde::Serialize;
-use std::sync::{Arc, Mutex};
 
 use crate::loader::{LayerWeights, RankWeights, rank_slice};
 use crate::source::LoadSource;
@@ -106,7 +107,7 @@ where
 /// such page fault is also a host fault). Holds one set per layer checked at once: at most the
 /// threads of the pools that run round trips.
 pub struct RoundTripScratch<B: Backend> {
-    free: Mutex<Vec<LayerScratch<B>>>,
+    free: Mutex<Vec<LayerCheckScratch<B>>>,
     /// The Q and O permutations of the last shape checked (local heads, head_dim).
     permutations: Mutex<Option<Permutations>>,
 }
@@ -115,7 +116,7 @@ type Permutations = Arc<((usize, usize), QPermutation, OPermutation)>;
 
 /// What one layer's check needs: backend buffers for the inverse hooks and permutations, and
 /// the host buffer each view's scales are downloaded into.
-struct LayerScratch<B: Backend> {
+struct LayerCheckScratch<B: Backend> {
     pool: BufferPool<B>,
     host: Vec<u8>,
 }
@@ -127,15 +128,15 @@ impl<B: Backend> Default for RoundTripScratch<B> {
 }
 
 impl<B: Backend> RoundTripScratch<B> {
-    fn take(&self) -> LayerScratch<B> {
+    fn take(&self) -> LayerCheckScratch<B> {
         self.free
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .pop()
-            .unwrap_or_else(|| LayerScratch { pool: BufferPool::default(), host: Vec::new() })
+            .unwrap_or_else(|| LayerCheckScratch { pool: BufferPool::default(), host: Vec::new() })
     }
 
-    fn give(&self, scratch: LayerScratch<B>) {
+    fn give(&self, scratch: LayerCheckScratch<B>) {
         self.free.lock().unwrap_or_else(|p| p.into_inner()).push(scratch);
     }
 
@@ -219,11 +220,11 @@ fn check_layer<B: Backend>(
     layer: &LayerWeights<B>,
     q: &QPermutation,
     o: &OPermutation,
-    scratch: &mut LayerScratch<B>,
+    scratch: &mut LayerCheckScratch<B>,
     out: &mut RoundTrip,
 ) -> Result<(), KernelError> {
     let (l, backend) = (layer.layer, ctx.backend);
-    let LayerScratch { pool, host } = scratch;
+    let LayerCheckScratch { pool, host } = scratch;
     compare(ctx, layer, Param::WqB, &layer.wq_b.wq_b_in_checkpoint_order(backend, q, pool, host)?, out)?;
     compare(ctx, layer, Param::WoA, &layer.wo_a.wo_a_in_checkpoint_order(backend, o, pool, host)?, out)?;
     compare(ctx, layer, Param::WoB, &layer.wo_b.wo_b_in_checkpoint_order(backend, pool, host)?, out)?;
