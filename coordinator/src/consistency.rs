@@ -36,6 +36,9 @@ pub struct RankRow {
     pub kernel_rank_digest: String,
     pub round_trip_ok: bool,
     pub round_trip_failures: Vec<String>,
+    /// The same failures as data, in the same order (empty from a worker that sends none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub round_trip_failure_details: Vec<RoundTripFailure>,
     /// The round trip's verdict is that of this verified rank (`dp0/tp1`), whose kernel and
     /// source bytes this rank's equal by digest (a later replica of an update); empty: run here.
     #[serde(skip_serializing_if = "String::is_empty")]
@@ -148,6 +151,7 @@ pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: String) -> RankRow {
         kernel_rank_digest: String::new(),
         round_trip_ok: false,
         round_trip_failures: Vec::new(),
+        round_trip_failure_details: Vec::new(),
         round_trip_identical_to: String::new(),
         probe: None,
         load_seconds: 0.0,
@@ -181,6 +185,7 @@ pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> 
         kernel_rank_digest: r.kernel_rank_digest.clone(),
         round_trip_ok: r.round_trip_ok,
         round_trip_failures: r.round_trip_failures.clone(),
+        round_trip_failure_details: r.round_trip_failure_details.iter().map(RoundTripFailure::from).collect(),
         round_trip_identical_to: r.round_trip_identical_to.clone(),
         probe: probe.map(ProbeCell::from),
         load_seconds: r.load_seconds,
@@ -190,6 +195,57 @@ pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> 
         failure: None,
         probe_error: None,
         verdict: String::new(),
+    }
+}
+
+/// One failure of a rank's round trip, as its worker reported it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
+pub struct RoundTripFailure {
+    pub kind: RoundTripFailureKind,
+    /// The tensor it names, with the part of a quantized one (`... (MXFP8 scales)`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensor: Option<String>,
+}
+
+/// What failed in a round trip (`orchestrator.v1.RoundTripFailureKind`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RoundTripFailureKind {
+    /// The inverse hooks and permutation give other bytes than the checkpoint-order data.
+    Mismatch,
+    /// The load recorded no checkpoint-order digest to compare with.
+    NoDigest,
+    /// The block scales could not be recompressed from the kernel's per-row scales.
+    BlockScales,
+    /// The tensor is not one of the geometry's.
+    UnknownTensor,
+    /// Re-reading the checkpoint-order slice failed.
+    Source,
+    /// A layer could not be read back through the inverse hooks and permutations.
+    Layer,
+    /// The inverse permutations could not be built for the shard.
+    Permutations,
+    /// The weights name a scale rule the worker does not know.
+    ScaleRule,
+    /// A kind this coordinator does not know (a newer worker's).
+    Unknown,
+}
+
+impl From<&pb::RoundTripFailure> for RoundTripFailure {
+    fn from(f: &pb::RoundTripFailure) -> Self {
+        use pb::RoundTripFailureKind as K;
+        let kind = match K::try_from(f.kind) {
+            Ok(K::Mismatch) => RoundTripFailureKind::Mismatch,
+            Ok(K::NoDigest) => RoundTripFailureKind::NoDigest,
+            Ok(K::BlockScales) => RoundTripFailureKind::BlockScales,
+            Ok(K::UnknownTensor) => RoundTripFailureKind::UnknownTensor,
+            Ok(K::Source) => RoundTripFailureKind::Source,
+            Ok(K::Layer) => RoundTripFailureKind::Layer,
+            Ok(K::Permutations) => RoundTripFailureKind::Permutations,
+            Ok(K::ScaleRule) => RoundTripFailureKind::ScaleRule,
+            Ok(K::Unspecified) | Err(_) => RoundTripFailureKind::Unknown,
+        };
+        Self { kind, tensor: Some(f.tensor.clone()).filter(|t| !t.is_empty()) }
     }
 }
 
@@ -423,7 +479,15 @@ pub fn evaluate(
         "every round trip holds",
         live.iter()
             .filter(|r| !r.round_trip_ok)
-            .map(|r| Finding::new(format!("{}: {}", label(r), r.round_trip_failures.join("; ")), [RankId::of(r)]))
+            .map(|r| {
+                let finding = Finding::new(format!("{}: {}", label(r), r.round_trip_failures.join("; ")), [RankId::of(r)]);
+                // The tensor, where every failure names the same one.
+                let mut tensors = r.round_trip_failure_details.iter().map(|f| f.tensor.as_deref());
+                match tensors.next() {
+                    Some(Some(first)) if tensors.all(|t| t == Some(first)) => finding.tensor(first),
+                    _ => finding,
+                }
+            })
             .collect(),
     ));
 
@@ -805,6 +869,47 @@ mod tests {
         assert_eq!(golden_rule.details.len(), 1);
         assert_eq!(golden_rule.details[0].ranks, [RankId { dp: 0, tp: 12 }]);
         assert_eq!(golden_rule.details[0].tensor.as_deref(), Some("layers.0.attn.wq_b.weight"));
+    }
+
+    /// A failed round trip is data on the rank's row (its kinds and tensors, as the worker sent
+    /// them), and its finding names the tensor where every failure names the same one.
+    #[test]
+    fn round_trip_failures_are_data_and_the_finding_names_their_tensor() {
+        use pb::RoundTripFailureKind as K;
+        let failed = |dp: u32, details: Vec<(K, &str)>| {
+            let r = pb::RankReport {
+                dp_rank: dp,
+                tp_size: 1,
+                dp_size: 3,
+                checkpoint_version: "va".into(),
+                kernel_rank_digest: "00000000000000aa".into(),
+                round_trip_ok: details.is_empty(),
+                round_trip_failures: details.iter().map(|(_, t)| format!("{t}: differs")).collect(),
+                round_trip_failure_details: details
+                    .iter()
+                    .map(|&(kind, tensor)| pb::RoundTripFailure { kind: kind.into(), tensor: tensor.into() })
+                    .collect(),
+                ..Default::default()
+            };
+            row(dp, &r, None)
+        };
+        let w = "layers.0.attn.wq_b.weight";
+        let rows = vec![
+            failed(0, vec![]),
+            failed(1, vec![(K::Mismatch, w), (K::BlockScales, w)]),
+            failed(2, vec![(K::Mismatch, w), (K::Layer, ""), (K::Unspecified, "x")]),
+        ];
+        let report = evaluate(1, 3, "test".into(), rows, None, BTreeMap::new(), false);
+        let rule = report.rules.iter().find(|r| r.rule == "every round trip holds").unwrap();
+        assert!(!rule.ok);
+        let details: Vec<(Vec<RankId>, Option<&str>)> = rule.details.iter().map(|d| (d.ranks.clone(), d.tensor.as_deref())).collect();
+        assert_eq!(details, [(vec![RankId { dp: 1, tp: 0 }], Some(w)), (vec![RankId { dp: 2, tp: 0 }], None)]);
+        let json = serde_json::to_value(&report).unwrap();
+        assert!(json["ranks"][0].get("round_trip_failure_details").is_none());
+        assert_eq!(
+            json["ranks"][2]["round_trip_failure_details"],
+            serde_json::json!([{ "kind": "mismatch", "tensor": w }, { "kind": "layer" }, { "kind": "unknown", "tensor": "x" }])
+        );
     }
 
     /// A rank with a staged version says so on its row and in the JSON; one without does not.

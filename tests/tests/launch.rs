@@ -119,6 +119,13 @@ fn injected_faults_are_caught_and_named() {
         let bad = doc["ranks"].as_array().unwrap().iter().find(|r| r["dp"] == 1 && r["tp"] == 1).unwrap();
         assert_eq!(bad["verdict"], "FAIL", "{kind}");
         assert_eq!(bad["round_trip_ok"], false, "{kind}");
+        // Its failures as data too, one per line, at least one a mismatch of a layer-0 tensor.
+        let (lines, details) = (bad["round_trip_failures"].as_array().unwrap(), bad["round_trip_failure_details"].as_array().unwrap());
+        assert_eq!(lines.len(), details.len(), "{kind}: {bad}");
+        assert!(
+            details.iter().any(|d| d["kind"] == "mismatch" && d["tensor"].as_str().is_some_and(|t| t.starts_with("layers.0.attn."))),
+            "{kind}: {bad}"
+        );
         assert_eq!(bad["probe"]["ok"], false, "{kind}");
         let healthy = doc["ranks"].as_array().unwrap().iter().find(|r| r["dp"] == 0 && r["tp"] == 0).unwrap();
         assert_eq!(healthy["verdict"], "ok", "{kind}");

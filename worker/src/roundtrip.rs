@@ -64,6 +64,24 @@ impl RoundTripFailure {
     }
 }
 
+impl From<&RoundTripFailure> for orchestrator_proto::v1::RoundTripFailure {
+    /// What a rank report carries beside the failure's line.
+    fn from(f: &RoundTripFailure) -> Self {
+        use orchestrator_proto::v1::RoundTripFailureKind as Kind;
+        let kind = match f {
+            RoundTripFailure::Permutations(_) => Kind::Permutations,
+            RoundTripFailure::ScaleRule(_) => Kind::ScaleRule,
+            RoundTripFailure::Layer { .. } => Kind::Layer,
+            RoundTripFailure::Mismatch { .. } => Kind::Mismatch,
+            RoundTripFailure::NoDigest { .. } => Kind::NoDigest,
+            RoundTripFailure::BlockScales { .. } => Kind::BlockScales,
+            RoundTripFailure::UnknownTensor { .. } => Kind::UnknownTensor,
+            RoundTripFailure::Source { .. } => Kind::Source,
+        };
+        Self { kind: kind.into(), tensor: f.tensor().unwrap_or_default().to_string() }
+    }
+}
+
 /// The line a report prints (and a rank report carries over gRPC).
 impl std::fmt::Display for RoundTripFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -328,5 +346,25 @@ mod tests {
                 ],
             })
         );
+    }
+
+    /// What a rank report carries of each failure: its kind and the tensor it names.
+    #[test]
+    fn a_failure_goes_over_grpc_as_its_kind_and_tensor() {
+        use orchestrator_proto::v1::{RoundTripFailure as Pb, RoundTripFailureKind as Kind};
+        let t = || "layers.1.attn.wo_a.scale".to_string();
+        let cases = [
+            (RoundTripFailure::Mismatch { what: t(), got: Digest(1), want: Digest(2) }, Kind::Mismatch, t()),
+            (RoundTripFailure::NoDigest { what: t() }, Kind::NoDigest, t()),
+            (RoundTripFailure::BlockScales { tensor: t(), error: "e".into() }, Kind::BlockScales, t()),
+            (RoundTripFailure::UnknownTensor { tensor: t() }, Kind::UnknownTensor, t()),
+            (RoundTripFailure::Source { tensor: t(), error: "e".into() }, Kind::Source, t()),
+            (RoundTripFailure::Layer { layer: 1, error: "e".into() }, Kind::Layer, String::new()),
+            (RoundTripFailure::Permutations("e".into()), Kind::Permutations, String::new()),
+            (RoundTripFailure::ScaleRule("e".into()), Kind::ScaleRule, String::new()),
+        ];
+        for (failure, kind, tensor) in cases {
+            assert_eq!(Pb::from(&failure), Pb { kind: kind.into(), tensor }, "{failure}");
+        }
     }
 }

@@ -1006,6 +1006,7 @@ impl Worker for WorkerService {
                         .collect(),
                     round_trip_ok: rt.ok,
                     round_trip_failures: rt.failures.iter().map(ToString::to_string).collect(),
+                    round_trip_failure_details: rt.failures.iter().map(Into::into).collect(),
                     round_trip_identical_to: rt.identical_to.unwrap_or_default(),
                     load_seconds,
                     generation: w.generation,
