@@ -416,7 +416,11 @@ mod tests {
         let swz = WeightView { elements: &e, n, k, scales: ScaleView::Swizzled128x4(&sw) };
         let mut packed = Vec::new();
         pack_ue8m0_mn_major(&s, 2, n / 2, c, &mut packed).unwrap();
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // Every bit of every number; a NaN as one value, since Rust leaves a NaN's sign and
+        // payload to the compiler (LLVM commutes a multiply or an add, and x86 keeps the first
+        // operand's NaN): on an AVX2-only CPU the plain loop's NaN outputs came out with the
+        // other sign from the tiled path's, with the arithmetic of both unchanged.
+        let bits = |v: &[f32]| v.iter().map(|x| if x.is_nan() { f32::NAN.to_bits() } else { x.to_bits() }).collect::<Vec<_>>();
         for rows in 1..=dot::DOT_MAX_ROWS + 1 {
             let a = acts(rows, k);
             let reference = gemm_reference(&a, &plain).unwrap();

@@ -16,8 +16,11 @@
 //! prefetchers follow, and without this the loads wait on memory (`bench-gemm` at T = 1: 10 GB/s
 //! of weights without it, 23 GB/s with it, on the 2-core development VM).
 //!
-//! Chosen at run time on x86-64 CPUs with AVX-512 F, BW and VBMI (and F16C); elsewhere
-//! [`tile`] declines every tile.
+//! Two versions, chosen at run time on x86-64: AVX-512 F, BW and VBMI (and F16C) compute the
+//! whole tile's 32 rows in two registers; AVX2 and F16C alone (AMD Zen 2 and 3, older Intel)
+//! compute it 8 rows to a register, as many groups of 8 at once as leave registers for the
+//! accumulators, each block's 8 x 32 bytes transposed in registers and put aside in L1 so that
+//! a column's 8 bytes are one sign-extending load. Elsewhere [`tile`] declines every tile.
 
 use super::{TILE, TileWeights};
 use crate::mxfp8::BLOCK;
@@ -33,7 +36,7 @@ const MAX_FOLDED_SCALE: u8 = 246;
 pub(super) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        avx512::available()
+        avx512::available() || avx2::available()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -55,6 +58,24 @@ pub(super) fn tile(w: &TileWeights<'_>, a: &[f32], rows: usize, out: &mut [f32])
         && scales.len() == TILE * (k / BLOCK);
     if !fits || !available() || w.max_scale > MAX_FOLDED_SCALE {
         return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if !avx512::available() {
+        // SAFETY: the CPU has AVX2 and F16C (`available` above, without AVX-512), and the
+        // bounds `accumulate` relies on were checked above (`fits`). Groups of 8 rows at once:
+        // as many as leave the accumulators (ROWS x G registers of 16) and the weights room.
+        return unsafe {
+            match rows {
+                1 => avx2::accumulate::<1, 4>(e, next, k, scales, a, out),
+                2 => avx2::accumulate::<2, 2>(e, next, k, scales, a, out),
+                3 => avx2::accumulate::<3, 1>(e, next, k, scales, a, out),
+                4 => avx2::accumulate::<4, 1>(e, next, k, scales, a, out),
+                5 => avx2::accumulate::<5, 1>(e, next, k, scales, a, out),
+                6 => avx2::accumulate::<6, 1>(e, next, k, scales, a, out),
+                7 => avx2::accumulate::<7, 1>(e, next, k, scales, a, out),
+                _ => avx2::accumulate::<8, 1>(e, next, k, scales, a, out),
+            }
+        };
     }
     #[cfg(target_arch = "x86_64")]
     {
@@ -245,6 +266,171 @@ mod avx512 {
     }
 }
 
+/// The fused path with AVX2 and F16C alone: 8 rows of the tile to a register of f32 lanes.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{BLOCK, FUSED_MAX_ROWS, TILE};
+
+    /// Rows of the tile in one register.
+    const GROUP: usize = 8;
+
+    pub fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
+    }
+
+    /// One block of 8 rows once transposed: column `c`'s 8 bytes (row `i` at byte `i`) at
+    /// [`column_at`]`(c)`.
+    #[repr(C, align(32))]
+    pub(super) struct Columns([u8; GROUP * BLOCK]);
+
+    /// Where [`transpose`] leaves column `c`: three rounds of unpacks within each 128-bit lane
+    /// (columns `16 L ..` of lane `L`) leave register `(c % 16) / 2` holding, in lane `L`, the
+    /// columns `16 L + 2 ((c % 16) / 2)` and the one after it, one per 8 bytes.
+    #[inline(always)]
+    pub(super) const fn column_at(c: usize) -> usize {
+        32 * ((c % 16) / 2) + 16 * (c / 16) + 8 * (c % 2)
+    }
+
+    /// The 8 x 32 bytes of `r` (row `i` in `r[i]`) into `out`, column by column.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn transpose(r: &[__m256i; GROUP], out: &mut Columns) {
+        // a[2p + h]: word w holds rows 2p, 2p + 1 at column 16 L + 8h + w.
+        let a: [__m256i; 8] = std::array::from_fn(|i| {
+            let (p, h) = (i / 2, i % 2);
+            if h == 0 { _mm256_unpacklo_epi8(r[2 * p], r[2 * p + 1]) } else { _mm256_unpackhi_epi8(r[2 * p], r[2 * p + 1]) }
+        });
+        // b[4q + 2h + g]: dword d holds rows 4q .. 4q + 3 at column 16 L + 8h + 4g + d.
+        let b: [__m256i; 8] = std::array::from_fn(|i| {
+            let (q, h, g) = (i / 4, (i / 2) % 2, i % 2);
+            let (x, y) = (a[4 * q + h], a[4 * q + 2 + h]);
+            if g == 0 { _mm256_unpacklo_epi16(x, y) } else { _mm256_unpackhi_epi16(x, y) }
+        });
+        // c[4h + 2g + f]: qword e holds rows 0 .. 7 at column 16 L + 8h + 4g + 2f + e.
+        for i in 0..8 {
+            let (hg, f) = (i / 2, i % 2);
+            let (x, y) = (b[hg], b[4 + hg]);
+            let c = if f == 0 { _mm256_unpacklo_epi32(x, y) } else { _mm256_unpackhi_epi32(x, y) };
+            // SAFETY: 32 bytes at 32 i < 256, aligned (`Columns` is).
+            unsafe { _mm256_store_si256(out.0.as_mut_ptr().add(32 * i).cast(), c) };
+        }
+    }
+
+    /// The tile: `e` is `TILE` rows of `k` E4M3 bytes, `scales` block-major (`[k / 32][TILE]`,
+    /// every byte at most 246), `G` groups of 8 rows at a time. False when a byte of the tile
+    /// is NaN.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn accumulate<const ROWS: usize, const G: usize>(
+        e: &[u8],
+        next: &[u8],
+        k: usize,
+        scales: &[u8],
+        a: &[f32],
+        out: &mut [f32],
+    ) -> bool {
+        assert!(
+            e.len() == TILE * k
+                && scales.len() == TILE * (k / BLOCK)
+                && (1..=FUSED_MAX_ROWS).contains(&ROWS)
+                && TILE.is_multiple_of(G * GROUP)
+                && a.len() >= ROWS * k
+                && out.len() >= ROWS * TILE
+        );
+        // SAFETY (loads below): row < TILE and kb * BLOCK + 32 <= k, so every 32-byte load lies
+        // in `e`; scale loads read 8 bytes at kb * TILE + row0 + 8g < scales.len().
+        let ep = e.as_ptr();
+        let mut nan = _mm256_setzero_si256();
+        let high = _mm256_set1_epi8(0x80u8 as i8);
+        let half_bits = _mm256_set1_epi16(0xBF80u16 as i16);
+        let fold = _mm256_set1_epi32(8);
+        let mut columns: [Columns; G] = std::array::from_fn(|_| Columns([0; GROUP * BLOCK]));
+        for row0 in (0..TILE).step_by(G * GROUP) {
+            let mut acc = [[_mm256_setzero_ps(); G]; ROWS];
+            for kb in 0..k / BLOCK {
+                // The next tile's lines of these rows at this block (two blocks to a line).
+                if kb % 2 == 0 {
+                    for row in row0..row0 + G * GROUP {
+                        if let Some(byte) = next.get(row * k + kb * BLOCK) {
+                            _mm_prefetch::<_MM_HINT_T1>(std::ptr::from_ref(byte).cast());
+                        }
+                    }
+                }
+                for (g, columns) in columns.iter_mut().enumerate() {
+                    let r: [__m256i; GROUP] = std::array::from_fn(|i| unsafe { _mm256_loadu_si256(ep.add((row0 + g * GROUP + i) * k + kb * BLOCK).cast()) });
+                    for x in &r {
+                        // A byte is NaN exactly when it is 0xFF once its sign bit is set.
+                        nan = _mm256_max_epu8(nan, _mm256_or_si256(*x, high));
+                    }
+                    transpose(&r, columns);
+                }
+                // 256 * scale as f32 bits (see the AVX-512 version).
+                let s: [__m256; G] = std::array::from_fn(|g| unsafe {
+                    let bytes = _mm_loadl_epi64(scales.as_ptr().add(kb * TILE + row0 + g * GROUP).cast());
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtepu8_epi32(bytes), fold)))
+                });
+                // Two columns at a time (an even column and the next lie side by side): their
+                // 16 bytes widened, shifted and masked at once, then a half each.
+                for c in (0..BLOCK).step_by(2) {
+                    let at = column_at(c);
+                    let pair: [__m256i; G] = std::array::from_fn(|g| unsafe {
+                        let v = _mm256_cvtepi8_epi16(_mm_load_si128(columns[g].0.as_ptr().add(at).cast()));
+                        _mm256_and_si256(_mm256_slli_epi16::<7>(v), half_bits)
+                    });
+                    for (i, kk) in [(0, kb * BLOCK + c), (1, kb * BLOCK + c + 1)] {
+                        // The E4M3 bytes as halves of value / 256 (see `tile`'s x86 decode), times
+                        // 256 * scale.
+                        let w: [__m256; G] = std::array::from_fn(|g| {
+                            let halves = if i == 0 { _mm256_castsi256_si128(pair[g]) } else { _mm256_extracti128_si256::<1>(pair[g]) };
+                            _mm256_mul_ps(_mm256_cvtph_ps(halves), s[g])
+                        });
+                        for (t, acc) in acc.iter_mut().enumerate() {
+                            // SAFETY: t * k + kk < ROWS * k <= a.len().
+                            let av = _mm256_set1_ps(unsafe { *a.get_unchecked(t * k + kk) });
+                            for (acc, w) in acc.iter_mut().zip(&w) {
+                                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(av, *w));
+                            }
+                        }
+                    }
+                }
+            }
+            for (t, acc) in acc.iter().enumerate() {
+                for (g, acc) in acc.iter().enumerate() {
+                    // SAFETY: t * TILE + row0 + 8 (g + 1) <= ROWS * TILE <= out.len().
+                    unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(t * TILE + row0 + g * GROUP), *acc) };
+                }
+            }
+        }
+        _mm256_movemask_epi8(_mm256_cmpeq_epi8(nan, _mm256_set1_epi8(-1))) == 0
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn blocks_transpose_to_columns() {
+            if !available() {
+                return;
+            }
+            let input: [[u8; 32]; GROUP] = std::array::from_fn(|i| std::array::from_fn(|b| (i * 32 + b) as u8 ^ 0x5A));
+            let mut out = Columns([0; GROUP * BLOCK]);
+            // SAFETY: the CPU has AVX2 (checked above).
+            unsafe { transpose(&input.map(|row| _mm256_loadu_si256(row.as_ptr().cast())), &mut out) };
+            for c in 0..BLOCK {
+                for (i, row) in input.iter().enumerate() {
+                    assert_eq!(out.0[column_at(c) + i], row[c], "column {c}, row {i}");
+                }
+            }
+            // Every column has a place of its own.
+            let mut at: Vec<usize> = (0..BLOCK).map(column_at).collect();
+            at.sort_unstable();
+            assert_eq!(at, (0..BLOCK).map(|c| 8 * c).collect::<Vec<_>>());
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,8 +450,12 @@ mod tests {
             let w = WeightView { elements: &e[..n * k], n, k, scales: ScaleView::RowMajor(&s[..n * k / BLOCK]) };
             TileWeights::gather(&w, n0, &mut scratch).is_some_and(|t| tile(&t, &a, rows, &mut out))
         };
-        assert_eq!(takes(&e, &s, 1, 32, n), available());
-        assert_eq!(takes(&e, &s, FUSED_MAX_ROWS, 0, n), available());
+        for rows in 1..=FUSED_MAX_ROWS {
+            assert_eq!(takes(&e, &s, rows, 32, n), available(), "{rows} rows");
+            let mut nan = e.clone();
+            nan[32 * k + 5] = 0x7F;
+            assert!(!takes(&nan, &s, rows, 32, n), "{rows} rows, a NaN byte");
+        }
         assert!(!takes(&e, &s, FUSED_MAX_ROWS + 1, 0, n), "too many rows");
         assert!(!takes(&e, &s, 0, 0, n), "no rows");
         assert!(!takes(&e, &s, 1, 32, 48), "a partial tile");
