@@ -32,16 +32,43 @@ pub(super) const FUSED_MAX_ROWS: usize = 8;
 /// The largest scale byte whose `256 * scale` is a finite f32 (`2^(246 - 127 + 8) = 2^127`).
 const MAX_FOLDED_SCALE: u8 = 246;
 
+/// The versions of this path, fastest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Version {
+    /// AVX-512 F, BW and VBMI (and F16C): the tile's 32 rows in two registers.
+    Avx512,
+    /// AVX2 and F16C: 8 rows to a register.
+    Avx2,
+}
+
+impl Version {
+    const ALL: [Version; 2] = [Version::Avx512, Version::Avx2];
+
+    /// Whether this CPU runs this version.
+    pub(super) fn runs_here(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match self {
+                Version::Avx512 => avx512::available(),
+                Version::Avx2 => avx2::available(),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = self;
+            false
+        }
+    }
+
+    /// The fastest version this CPU runs.
+    pub(super) fn best() -> Option<Version> {
+        Self::ALL.into_iter().find(|v| v.runs_here())
+    }
+}
+
 /// Whether this CPU runs the fused path.
 pub(super) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        avx512::available() || avx2::available()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Version::best().is_some()
 }
 
 /// `out[t * TILE + j] = sum_k a[t * k + kk] * w[j, kk]` for `t < rows` over the tile `w`.
@@ -49,6 +76,11 @@ pub(super) fn available() -> bool {
 /// fused path on this CPU, `rows` outside `1..=FUSED_MAX_ROWS`, a NaN byte or a scale byte above
 /// 246 in the tile.
 pub(super) fn tile(w: &TileWeights<'_>, a: &[f32], rows: usize, out: &mut [f32]) -> bool {
+    Version::best().is_some_and(|v| tile_with(v, w, a, rows, out))
+}
+
+/// [`tile`] with the given version, which declines everything where this CPU does not run it.
+pub(super) fn tile_with(version: Version, w: &TileWeights<'_>, a: &[f32], rows: usize, out: &mut [f32]) -> bool {
     let (e, next, k, scales) = (w.elements, w.next, w.k, w.scales);
     let fits = (1..=FUSED_MAX_ROWS).contains(&rows)
         && k.is_multiple_of(BLOCK)
@@ -56,15 +88,15 @@ pub(super) fn tile(w: &TileWeights<'_>, a: &[f32], rows: usize, out: &mut [f32])
         && a.len() >= rows * k
         && out.len() >= rows * TILE
         && scales.len() == TILE * (k / BLOCK);
-    if !fits || !available() || w.max_scale > MAX_FOLDED_SCALE {
+    if !fits || !version.runs_here() || w.max_scale > MAX_FOLDED_SCALE {
         return false;
     }
     #[cfg(target_arch = "x86_64")]
-    if !avx512::available() {
-        // SAFETY: the CPU has AVX2 and F16C (`available` above, without AVX-512), and the
-        // bounds `accumulate` relies on were checked above (`fits`). Groups of 8 rows at once:
-        // as many as leave the accumulators (ROWS x G registers of 16) and the weights room.
-        return unsafe {
+    match version {
+        // SAFETY: the CPU has AVX2 and F16C (`runs_here` above), and the bounds `accumulate`
+        // relies on were checked above (`fits`). Groups of 8 rows at once: as many as leave
+        // the accumulators (ROWS x G registers of 16) and the weights room.
+        Version::Avx2 => unsafe {
             match rows {
                 1 => avx2::accumulate::<1, 4>(e, next, k, scales, a, out),
                 2 => avx2::accumulate::<2, 2>(e, next, k, scales, a, out),
@@ -75,13 +107,10 @@ pub(super) fn tile(w: &TileWeights<'_>, a: &[f32], rows: usize, out: &mut [f32])
                 7 => avx2::accumulate::<7, 1>(e, next, k, scales, a, out),
                 _ => avx2::accumulate::<8, 1>(e, next, k, scales, a, out),
             }
-        };
-    }
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: the CPU has AVX-512 F/BW/VBMI, AVX2 and F16C (`available` above), and the
+        },
+        // SAFETY: the CPU has AVX-512 F/BW/VBMI, AVX2 and F16C (`runs_here` above), and the
         // bounds `accumulate` relies on were checked above (`fits`).
-        unsafe {
+        Version::Avx512 => unsafe {
             match rows {
                 1 => avx512::accumulate::<1>(e, next, k, scales, a, out),
                 2 => avx512::accumulate::<2>(e, next, k, scales, a, out),
@@ -92,7 +121,7 @@ pub(super) fn tile(w: &TileWeights<'_>, a: &[f32], rows: usize, out: &mut [f32])
                 7 => avx512::accumulate::<7>(e, next, k, scales, a, out),
                 _ => avx512::accumulate::<8>(e, next, k, scales, a, out),
             }
-        }
+        },
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -358,7 +387,8 @@ mod avx2 {
                     }
                 }
                 for (g, columns) in columns.iter_mut().enumerate() {
-                    let r: [__m256i; GROUP] = std::array::from_fn(|i| unsafe { _mm256_loadu_si256(ep.add((row0 + g * GROUP + i) * k + kb * BLOCK).cast()) });
+                    let r: [__m256i; GROUP] =
+                        std::array::from_fn(|i| unsafe { _mm256_loadu_si256(ep.add((row0 + g * GROUP + i) * k + kb * BLOCK).cast()) });
                     for x in &r {
                         // A byte is NaN exactly when it is 0xFF once its sign bit is set.
                         nan = _mm256_max_epu8(nan, _mm256_or_si256(*x, high));
@@ -435,6 +465,52 @@ mod avx2 {
 mod tests {
     use super::*;
     use crate::gemm::{ScaleView, WeightView};
+
+    /// Every version this CPU runs (not only the one [`tile`] picks: on a CPU with AVX-512 the
+    /// AVX2 version runs nowhere else), for every row count, every E4M3 byte but NaN and scales
+    /// from subnormal products to the largest that fold: the plain loop's bits, tile by tile.
+    #[test]
+    fn every_version_gives_the_plain_loops_bits() {
+        let (n, k) = (96, 256);
+        let c = k / BLOCK;
+        let e: Vec<u8> = (0..n * k)
+            .map(|i| {
+                let b = (i * 7 + i / k) as u8;
+                if crate::e4m3::is_nan(b) { b ^ 1 } else { b }
+            })
+            .collect();
+        // Tile 0 ordinary scales, tile 1 a mix of tiny, huge and ordinary ones, tile 2 tiny.
+        let s: Vec<u8> = (0..n * c)
+            .map(|i| match (i / c / TILE, i / c, i % c) {
+                (0, row, kb) => 120 + ((kb * 5 + row) % 15) as u8,
+                (1, row, kb) => [0u8, 1, 3, 127, 200, 246, 100, 128][(kb + row) % 8],
+                (_, row, kb) => [0u8, 1, 3][(kb + row) % 3],
+            })
+            .collect();
+        let w = WeightView { elements: &e, n, k, scales: ScaleView::RowMajor(&s) };
+        let versions: Vec<Version> = Version::ALL.into_iter().filter(|v| v.runs_here()).collect();
+        let (mut scratch, mut out) = (Vec::new(), vec![0f32; FUSED_MAX_ROWS * TILE]);
+        let bits = |v: &[f32]| v.iter().map(|x| if x.is_nan() { f32::NAN.to_bits() } else { x.to_bits() }).collect::<Vec<_>>();
+        for rows in 1..=FUSED_MAX_ROWS {
+            let v: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.37).collect();
+            let a = crate::gemm::MxMatrix::quantize(&v, k, crate::mxfp8::ScaleRule::Rceil).unwrap();
+            let want = bits(&crate::gemm::gemm_reference(&a, &w).unwrap());
+            let a = a.dequantize();
+            for n0 in (0..n).step_by(TILE) {
+                for &version in &versions {
+                    let t = TileWeights::gather(&w, n0, &mut scratch).unwrap();
+                    assert!(tile_with(version, &t, &a, rows, &mut out), "{version:?} took no tile at {n0}, {rows} rows");
+                    for r in 0..rows {
+                        assert_eq!(
+                            bits(&out[r * TILE..][..TILE]),
+                            want[r * n + n0..][..TILE],
+                            "{version:?}, {rows} rows, tile at {n0}, row {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     /// What the fused path declines, it declines whole: a NaN byte anywhere in the tile, a scale
     /// byte above 246, a partial tile, or more rows than it takes (the tiled path computes
