@@ -9,8 +9,8 @@
 //! [`gemm`] gives.
 //!
 //! Three implementations give those bits: `dot` (up to 16 rows, AVX-512 BF16), `fused` (up
-//! to 8 rows, AVX-512 or AVX2 + F16C) and `tile` (any rows, any CPU); each tile of 32 weight rows takes the
-//! first that can compute it exactly.
+//! to 8 rows, AVX-512 or AVX2 + F16C) and `tile` (any rows, any CPU); each tile of 32 weight
+//! rows takes the first that can compute it exactly.
 //!
 //! The weight is read through a [`WeightView`]: its E4M3 bytes row-major `[N, K]` (the `[K, N]`
 //! column-major view of the CuteDSL GEMM) and its scales in whichever layout the kernel reads
