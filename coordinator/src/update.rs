@@ -273,10 +273,92 @@ pub struct UpdateOutcome {
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub pending_commits: BTreeMap<u32, String>,
     pub seconds: f64,
+    /// Why the update did not finish with every replica on the new version, as data (the steps
+    /// say it in words); absent when it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure: Option<UpdateFailure>,
     /// Each swapped replica's passing probe after its swap (for the report after the update).
     #[serde(skip)]
     #[schemars(skip)]
     pub swap_probes: BTreeMap<u32, SwapProbe>,
+}
+
+/// Why an update did not finish with every replica on the new version.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
+pub struct UpdateFailure {
+    pub kind: UpdateFailureKind,
+    /// Nothing was touched: no replica staged anything (every rank serves what it served).
+    pub refused: bool,
+    /// The replicas it names: the one whose check failed, those whose commit is unconfirmed,
+    /// those skipped for a dead rank (empty for a refusal).
+    pub replicas: Vec<u32>,
+    /// The rank whose check failed (`dp0/tp1`), where one rank's did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank: Option<String>,
+    /// A staged round trip's failures, tensor by tensor (kind `round_trip`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub round_trip: Vec<crate::consistency::RoundTripFailure>,
+    /// The same in words.
+    pub why: String,
+}
+
+/// What stopped an update.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum UpdateFailureKind {
+    /// Refused: a replica has a decided commit that not every rank confirmed yet.
+    PendingCommit,
+    /// Refused: the checkpoint failed validation (unreadable, another geometry or format, a
+    /// value that is not finite, a path outside the allowed roots).
+    InvalidCheckpoint,
+    /// The state journal could not be written.
+    Journal,
+    /// The coordinator failed inside (a task that panicked).
+    Internal,
+    /// A rank could not stage, report or probe.
+    StagedRankUnreachable,
+    /// A rank staged or probed another version than the update's.
+    StagedVersion,
+    /// A later replica's digests differ from the verified replica's.
+    ReplicaDigests,
+    /// A staged round trip failed (`round_trip` says where).
+    RoundTrip,
+    /// The staged probe is out of tolerance against the reference.
+    ProbeTolerance,
+    /// Ranks or replicas disagree on the staged `y`.
+    ReplicaY,
+    /// A rank of the replica was down at the commit decision.
+    UnhealthyAtDecision,
+    /// A decided commit that not every rank confirmed (the replica stays out of rotation
+    /// until it is).
+    CommitUnconfirmed,
+    /// Every live replica took the version; replicas with a dead rank were skipped.
+    RanksDead,
+}
+
+impl From<VerifyRule> for UpdateFailureKind {
+    fn from(rule: VerifyRule) -> Self {
+        match rule {
+            VerifyRule::Unreachable => Self::StagedRankUnreachable,
+            VerifyRule::Version => Self::StagedVersion,
+            VerifyRule::ReplicaDigests => Self::ReplicaDigests,
+            VerifyRule::RoundTrip => Self::RoundTrip,
+            VerifyRule::ProbeTolerance => Self::ProbeTolerance,
+            VerifyRule::YAgreement => Self::ReplicaY,
+        }
+    }
+}
+
+impl UpdateFailure {
+    /// Refused before any replica was touched.
+    fn refused(kind: UpdateFailureKind, why: String) -> Self {
+        Self { kind, refused: true, replicas: Vec::new(), rank: None, round_trip: Vec::new(), why }
+    }
+
+    /// Of `replicas`, after some were touched.
+    fn of(kind: UpdateFailureKind, replicas: Vec<u32>, why: String) -> Self {
+        Self { kind, refused: false, replicas, rank: None, round_trip: Vec::new(), why }
+    }
 }
 
 /// What `orchestrator update --json` prints: the outcome and the consistency report after it.
@@ -402,16 +484,18 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
     let mut steps = Vec::new();
     let mut pending_commits = BTreeMap::new();
     let swap_probes = std::sync::Mutex::new(BTreeMap::new());
-    let finish = |ok: bool, new_version: String, steps: Vec<String>, pending_commits: BTreeMap<u32, String>| UpdateOutcome {
-        ok,
-        checkpoint: dir.display().to_string(),
-        new_version,
-        steps,
-        versions: (0..cluster.dp).map(|dp| (dp, rotation.version(dp))).collect(),
-        pending_commits,
-        seconds: start.elapsed().as_secs_f64(),
-        swap_probes: std::mem::take(&mut *swap_probes.lock().unwrap_or_else(|p| p.into_inner())),
-    };
+    let finish =
+        |new_version: String, steps: Vec<String>, pending_commits: BTreeMap<u32, String>, failure: Option<UpdateFailure>| UpdateOutcome {
+            ok: failure.is_none(),
+            checkpoint: dir.display().to_string(),
+            new_version,
+            steps,
+            versions: (0..cluster.dp).map(|dp| (dp, rotation.version(dp))).collect(),
+            pending_commits,
+            seconds: start.elapsed().as_secs_f64(),
+            failure,
+            swap_probes: std::mem::take(&mut *swap_probes.lock().unwrap_or_else(|p| p.into_inner())),
+        };
     // A replica with a dead rank can be neither updated nor ever confirm a commit: it is skipped
     // (and named). A live replica's unconfirmed commit must be finished first.
     let states = rotation.states();
@@ -421,7 +505,8 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             "refused before touching any replica: replica dp{dp} has a decided commit to {v} that not every rank confirmed yet \
              (it is finished when its ranks answer; `orchestrator report` shows them)"
         );
-        return finish(false, String::new(), vec![why], pending_commits);
+        let failure = UpdateFailure::refused(UpdateFailureKind::PendingCommit, why.clone());
+        return finish(String::new(), vec![why], pending_commits, Some(failure));
     }
     let validate_started = Instant::now();
     let Validated { version: new_version, claim, adopted, inspected_before } = match tokio::task::spawn_blocking({
@@ -431,8 +516,16 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
     .await
     {
         Ok(Ok(v)) => v,
-        Ok(Err(e)) => return finish(false, String::new(), vec![format!("refused before touching any replica: {e}")], pending_commits),
-        Err(e) => return finish(false, String::new(), vec![format!("validation task failed: {e}")], pending_commits),
+        Ok(Err(e)) => {
+            let why = format!("refused before touching any replica: {e}");
+            let failure = UpdateFailure::refused(UpdateFailureKind::InvalidCheckpoint, why.clone());
+            return finish(String::new(), vec![why], pending_commits, Some(failure));
+        }
+        Err(e) => {
+            let why = format!("refused before touching any replica: the validation task failed: {e}");
+            let failure = UpdateFailure::refused(UpdateFailureKind::Internal, why.clone());
+            return finish(String::new(), vec![why], pending_commits, Some(failure));
+        }
     };
     steps.push(format!(
         "validated {} (version {new_version}{}) against the running plan in {:.2} s",
@@ -464,7 +557,9 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             max_unavailable,
         })
     {
-        return finish(false, new_version, vec![format!("refused before touching any replica: {e}")], pending_commits);
+        let why = format!("refused before touching any replica: {e}");
+        let failure = UpdateFailure::refused(UpdateFailureKind::Journal, why.clone());
+        return finish(new_version, vec![why], pending_commits, Some(failure));
     }
     let mut skipped = Vec::new();
     let replicas: Vec<u32> = replicas
@@ -487,7 +582,8 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         if let Err(e) = roll.record(Event::UpdateStep { update: roll.update, dp, step: Step::Staging }) {
             let why = format!("refused before touching any replica: {e}");
             roll.end(false, &why);
-            return finish(false, new_version, vec![why], pending_commits);
+            let failure = UpdateFailure::refused(UpdateFailureKind::Journal, why.clone());
+            return finish(new_version, vec![why], pending_commits, Some(failure));
         }
     }
     // Every replica stages at once (see `Roll::stage_all`) while the batches are verified and
@@ -519,21 +615,25 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             }
             let undecided: Vec<u32> = group.iter().copied().filter(|dp| !decided.contains(dp)).collect();
             if let Some((failed, e)) = &failure {
-                let (failed, e) = (*failed, e.clone());
+                let (failed, e) = (*failed, e.why.clone());
                 let why = |dp: u32| {
                     ("FAILED", if dp == failed { e.clone() } else { format!("aborted with its batch (replica dp{failed} failed)") })
                 };
                 roll.abort_replicas(&undecided, &why, &mut steps).await;
                 if decided.is_empty() {
-                    break 'batches Some((failed, format!("replica dp{failed} failed: {e}")));
+                    let (failed, mut f) = failure.expect("checked just above");
+                    f.why = format!("replica dp{failed} failed: {}", f.why);
+                    break 'batches Some((failed, f));
                 }
             }
             let stuck = roll.commit_decided(group, &decided, &staged, &mut steps, &mut pending_commits, &swap_probes).await;
-            if let Some((failed, e)) = failure {
-                break 'batches Some((failed, format!("replica dp{failed} failed: {e}; replicas {decided:?} committed before it")));
+            if let Some((failed, mut f)) = failure {
+                f.why = format!("replica dp{failed} failed: {}; replicas {decided:?} committed before it", f.why);
+                break 'batches Some((failed, f));
             }
             if !stuck.is_empty() {
-                break 'batches Some((stuck[0], format!("replicas {stuck:?}: commit decided, not confirmed by every rank")));
+                let why = format!("replicas {stuck:?}: commit decided, not confirmed by every rank");
+                break 'batches Some((stuck[0], UpdateFailure::of(UpdateFailureKind::CommitUnconfirmed, stuck, why)));
             }
         };
         // Replicas still waiting for a proof learn that none will come.
@@ -545,16 +645,17 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         ended
     };
     let (_, ended) = tokio::join!(stager, process);
-    if let Some((_, why)) = ended {
-        roll.end(false, &why);
-        return finish(false, new_version, steps, pending_commits);
+    if let Some((_, failure)) = ended {
+        roll.end(false, &failure.why);
+        return finish(new_version, steps, pending_commits, Some(failure));
     }
     if !skipped.is_empty() {
-        roll.end(false, &format!("every live replica verified and swapped; replicas {skipped:?} skipped (a rank is dead)"));
-        return finish(false, new_version, steps, pending_commits);
+        let why = format!("every live replica verified and swapped; replicas {skipped:?} skipped (a rank is dead)");
+        roll.end(false, &why);
+        return finish(new_version, steps, pending_commits, Some(UpdateFailure::of(UpdateFailureKind::RanksDead, skipped, why)));
     }
     roll.end(true, "every replica verified and swapped");
-    finish(true, new_version, steps, pending_commits)
+    finish(new_version, steps, pending_commits, None)
 }
 
 /// How long a replica taken out of rotation for its swap waits for the routed probes it was
@@ -683,8 +784,8 @@ impl Roll<'_> {
         staged: &[Result<Staged, VerifyFailure>],
         reference_y: &mut Option<String>,
         verified: &mut Option<VerifiedVersion>,
-    ) -> (Vec<u32>, Option<(u32, String)>) {
-        let mut failure: Option<(u32, String)> = None;
+    ) -> (Vec<u32>, Option<(u32, UpdateFailure)>) {
+        let mut failure: Option<(u32, UpdateFailure)> = None;
         for (&dp, r) in group.iter().zip(staged) {
             let verification = match r {
                 Err(e) => Err(e.clone()),
@@ -705,10 +806,20 @@ impl Roll<'_> {
                 tracing::warn!(replica = dp, version = %self.new_version, rule = e.rule.label(), "staged version failed verification: {}", e.why);
                 crate::metrics::metrics().verification_failed(e.rule.label());
             }
-            let verification = verification.map_err(|e| e.why);
             let unhealthy: Vec<String> = self.cluster.down_in(dp).await.into_iter().flatten().map(|(_, why)| why).collect();
-            if let Decision::Abort { why } = rollout::decide(verification, &unhealthy) {
-                failure.get_or_insert((dp, why));
+            if let Decision::Abort { why } = rollout::decide(verification.as_ref().map_err(|e| e.why.clone()).copied(), &unhealthy) {
+                let f = match verification {
+                    Err(e) => UpdateFailure {
+                        kind: e.rule.into(),
+                        refused: false,
+                        replicas: vec![dp],
+                        rank: e.rank,
+                        round_trip: e.round_trip,
+                        why,
+                    },
+                    Ok(()) => UpdateFailure::of(UpdateFailureKind::UnhealthyAtDecision, vec![dp], why),
+                };
+                failure.get_or_insert((dp, f));
             }
         }
         let mut decided: Vec<u32> = Vec::new();
@@ -720,7 +831,7 @@ impl Roll<'_> {
                 match self.record(Event::UpdateStep { update: self.update, dp, step: Step::Decided }) {
                     Ok(()) => decided.push(dp),
                     Err(e) => {
-                        failure.get_or_insert((dp, e));
+                        failure.get_or_insert((dp, UpdateFailure::of(UpdateFailureKind::Journal, vec![dp], e)));
                         break;
                     }
                 }
@@ -941,16 +1052,25 @@ impl VerifyRule {
     }
 }
 
-/// A staged replica that failed verification: the rule and the reason.
+/// A staged replica that failed verification: the rule, the rank where one rank failed it, a
+/// round trip's failures, and the reason.
 #[derive(Clone, Debug, thiserror::Error)]
 #[error("{why}")]
 pub struct VerifyFailure {
     pub rule: VerifyRule,
+    pub rank: Option<String>,
+    pub round_trip: Vec<crate::consistency::RoundTripFailure>,
     pub why: String,
 }
 
 fn fail(rule: VerifyRule, why: impl Into<String>) -> VerifyFailure {
-    VerifyFailure { rule, why: why.into() }
+    VerifyFailure { rule, rank: None, round_trip: Vec::new(), why: why.into() }
+}
+
+impl VerifyFailure {
+    fn at(self, dp: u32, tp: u32) -> Self {
+        Self { rank: Some(format!("dp{dp}/tp{tp}")), ..self }
+    }
 }
 
 fn unreachable_rank(why: &str) -> VerifyFailure {
@@ -980,10 +1100,12 @@ async fn stage_replica(
 ) -> Result<f64, VerifyFailure> {
     let t = Instant::now();
     let staged = cluster.stage(dp, source, reference, defer_round_trip).await;
-    for (id, r) in &staged {
-        let (_, version) = r.as_ref().map_err(|e| unreachable_rank(e))?;
+    for (&id, r) in &staged {
+        let (_, version) = r.as_ref().map_err(|e| unreachable_rank(e).at(dp, id % cluster.tp))?;
         if version != new_version {
-            return Err(fail(VerifyRule::Version, format!("worker {id} staged version {version}, expected {new_version}")));
+            return Err(
+                fail(VerifyRule::Version, format!("worker {id} staged version {version}, expected {new_version}")).at(dp, id % cluster.tp)
+            );
         }
     }
     Ok(t.elapsed().as_secs_f64())
@@ -1051,10 +1173,11 @@ async fn verify_staged(
     let verified = verified.as_ref();
     let seconds = t.elapsed().as_secs_f64();
     let mut digests = BTreeMap::new();
-    for r in reports.values() {
-        let r = r.as_ref().map_err(|e| unreachable_rank(e))?;
+    for (&id, r) in &reports {
+        let r = r.as_ref().map_err(|e| unreachable_rank(e).at(dp, id % cluster.tp))?;
         if r.staged_version != new_version {
-            return Err(fail(Version, format!("rank dp{dp}/tp{} staged version {}, expected {new_version}", r.tp_rank, r.staged_version)));
+            return Err(fail(Version, format!("rank dp{dp}/tp{} staged version {}, expected {new_version}", r.tp_rank, r.staged_version))
+                .at(dp, r.tp_rank));
         }
         let mine = (r.kernel_rank_digest.clone(), r.source_rank_digest.clone());
         if let Some(v) = verified {
@@ -1072,21 +1195,23 @@ async fn verify_staged(
                             r.tp_rank,
                             theirs.map(|(k, s)| format!("{k}/{s}")).unwrap_or_else(|| "nothing".into())
                         ),
-                    ));
+                    )
+                    .at(dp, r.tp_rank));
                 }
             }
         }
         if !r.round_trip_ok {
-            return Err(fail(
-                RoundTrip,
-                format!("rank dp{dp}/tp{}: staged round trip failed: {}", r.tp_rank, r.round_trip_failures.join("; ")),
-            ));
+            let failed =
+                fail(RoundTrip, format!("rank dp{dp}/tp{}: staged round trip failed: {}", r.tp_rank, r.round_trip_failures.join("; ")));
+            let details = r.round_trip_failure_details.iter().map(crate::consistency::RoundTripFailure::from).collect();
+            return Err(VerifyFailure { round_trip: details, ..failed.at(dp, r.tp_rank) });
         }
         digests.insert(r.tp_rank, mine);
     }
     let mut ys = Vec::new();
-    for (id, p) in &probes {
-        let p = p.as_ref().map_err(|e| unreachable_rank(e))?;
+    for (&id, p) in &probes {
+        let tp = id % cluster.tp;
+        let p = p.as_ref().map_err(|e| unreachable_rank(e).at(dp, tp))?;
         if !p.ok {
             return Err(fail(
                 ProbeTolerance,
@@ -1094,10 +1219,11 @@ async fn verify_staged(
                     "worker {id}: staged probe out of tolerance (q differs in {} values, z err {:.3e})",
                     p.q_mismatches, p.z_max_abs_err
                 ),
-            ));
+            )
+            .at(dp, tp));
         }
         if p.probed_version != new_version {
-            return Err(fail(Version, format!("worker {id} probed version {}, expected {new_version}", p.probed_version)));
+            return Err(fail(Version, format!("worker {id} probed version {}, expected {new_version}", p.probed_version)).at(dp, tp));
         }
         ys.push(p.y_digest.clone());
     }

@@ -10,7 +10,7 @@ from .errors import (
     UpdateFailed,
     UpdateRefused,
 )
-from .types import ProbeLoad, RankRow, Report, Rule, UpdateOutcome
+from .types import ProbeLoad, RankRow, Report, Rule, UpdateFailure, UpdateOutcome
 
 __all__ = [
     "Cluster",
@@ -24,6 +24,7 @@ __all__ = [
     "Rule",
     "Unauthenticated",
     "UpdateFailed",
+    "UpdateFailure",
     "UpdateOutcome",
     "UpdateRefused",
 ]

@@ -28,7 +28,6 @@ from .types import ProbeLoad, Report, UpdateOutcome
 
 # The name the cluster's node certificate is issued for (`orchestrator tls generate`).
 SERVER_NAME = "orchestrator.cluster"
-REFUSED = "refused before touching any replica"
 
 
 def _error(e: grpc.RpcError, what: str) -> OrchestratorError:
@@ -124,14 +123,14 @@ class Cluster:
         outcome = UpdateOutcome.from_json(json.loads(r.json), r.text)
         if outcome.ok:
             return outcome
-        first = outcome.steps[0] if outcome.steps else "the update failed"
-        if first.startswith(REFUSED):
-            raise UpdateRefused(f"update of {directory}: {first}", outcome)
+        failure = outcome.failure
+        why = failure.why if failure is not None else "the update failed"
+        if failure is not None and failure.refused:
+            raise UpdateRefused(f"update of {directory}: {why}", outcome)
         lost = [r.label for r in outcome.report.lost]
-        if lost or any("a rank is dead" in s or "dead (" in s for s in outcome.steps):
-            raise RankLost(f"update of {directory}: ranks lost: {', '.join(lost) or 'see the steps'}", outcome, lost)
-        failed = next((s for s in outcome.steps if "FAILED" in s), outcome.steps[-1] if outcome.steps else "")
-        raise UpdateFailed(f"update of {directory}: {failed}", outcome)
+        if lost or (failure is not None and failure.kind == "ranks_dead"):
+            raise RankLost(f"update of {directory}: ranks lost: {', '.join(lost) or why}", outcome, lost)
+        raise UpdateFailed(f"update of {directory}: {why}", outcome)
 
     def probe(self, rate: float, duration: float, tokens: int = 2, latents: int = 16, seed: int = 0) -> ProbeLoad:
         """`rate` routed probes a second for `duration` seconds, each sent on time whatever the

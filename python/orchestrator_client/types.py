@@ -113,6 +113,35 @@ class Report:
 
 
 @dataclass(frozen=True)
+class UpdateFailure:
+    """Why an update did not finish with every replica on the new version (`update.failure`).
+
+    `kind` is one of `pending_commit`, `invalid_checkpoint`, `journal`, `internal` (refusals:
+    `refused` is true, nothing was touched), `staged_rank_unreachable`, `staged_version`,
+    `replica_digests`, `round_trip`, `probe_tolerance`, `replica_y`, `unhealthy_at_decision`,
+    `commit_unconfirmed`, `ranks_dead`; `rank` names the rank whose check failed ("dp0/tp1"),
+    `round_trip` a staged round trip's failures as (kind, tensor) pairs."""
+
+    kind: str
+    refused: bool
+    replicas: list[int]
+    rank: Optional[str]
+    round_trip: list[tuple[str, Optional[str]]]
+    why: str
+
+    @classmethod
+    def from_json(cls, d: dict) -> "UpdateFailure":
+        return cls(
+            kind=d["kind"],
+            refused=bool(d.get("refused", False)),
+            replicas=[int(r) for r in d.get("replicas", [])],
+            rank=d.get("rank"),
+            round_trip=[(f["kind"], f.get("tensor")) for f in d.get("round_trip", [])],
+            why=d.get("why", ""),
+        )
+
+
+@dataclass(frozen=True)
 class UpdateOutcome:
     """`orchestrator update --json`: the update's steps and the report after it."""
 
@@ -125,6 +154,7 @@ class UpdateOutcome:
     report: Report
     text: str
     raw: dict[str, Any] = field(repr=False)
+    failure: Optional[UpdateFailure] = None
 
     @classmethod
     def from_json(cls, d: dict, text: str = "") -> "UpdateOutcome":
@@ -139,6 +169,7 @@ class UpdateOutcome:
             report=Report.from_json(d["report"]),
             text=text,
             raw=d,
+            failure=UpdateFailure.from_json(u["failure"]) if u.get("failure") else None,
         )
 
 

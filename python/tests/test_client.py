@@ -76,6 +76,9 @@ def test_typed_errors_for_a_wrong_token_a_refused_update_and_a_lost_rank(checkpo
     with pytest.raises(UpdateRefused) as e:
         client.update(other)
     assert e.value.outcome.steps[0].startswith("refused before touching any replica"), e.value.outcome.steps
+    failure = e.value.outcome.failure
+    assert failure is not None and failure.kind == "invalid_checkpoint" and failure.refused, failure
+    assert failure.replicas == [] and failure.why.startswith("refused before touching any replica"), failure
     assert len(set(client.report(probe=False).versions.values())) == 1
 
     victim = next(r for r in client.report(probe=False).ranks if r.label == "dp1/tp0")
@@ -84,6 +87,10 @@ def test_typed_errors_for_a_wrong_token_a_refused_update_and_a_lost_rank(checkpo
     with pytest.raises(RankLost) as e:
         client.update(b)
     assert e.value.ranks == ["dp1/tp0"], e.value
+    failure = e.value.outcome.failure
+    # Skipped when the coordinator knew the rank dead at the start, else its stage failed.
+    assert failure is not None and failure.replicas == [1] and not failure.refused, failure
+    assert failure.kind == "ranks_dead" or (failure.kind, failure.rank) == ("staged_rank_unreachable", "dp1/tp0"), failure
     # dp0 took the new version; dp1 (its rank dead) was skipped: each TP group on one version.
     versions = e.value.outcome.versions
     assert versions[0] == e.value.outcome.new_version and versions[1] != versions[0], versions

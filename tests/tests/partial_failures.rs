@@ -174,6 +174,16 @@ fn a_rank_killed_at_each_step_of_an_update_leaves_its_group_out_and_the_rest_ser
         let dead = after["ranks"].as_array().unwrap().iter().find(|r| r["dp"] == 0 && r["tp"] == 1).unwrap();
         assert!(dead["failure"].as_str().unwrap().starts_with("dead"), "{step}: {dead:#}");
         let survivor = rank_versions(&after).into_iter().find(|(d, t, _)| (*d, *t) == (0, 0)).unwrap().2;
+        // Why, as data: the replica it stopped at, and a kind that says where it was (a kill
+        // that lands once every rank confirmed its commit fails nothing).
+        let failure = &out["update"]["failure"];
+        if out["update"]["ok"] == true {
+            assert!(failure.is_null(), "{step}: {out:#}");
+        } else {
+            assert_eq!((failure["refused"].as_bool(), &failure["replicas"]), (Some(false), &serde_json::json!([0])), "{step}: {failure:#}");
+            let kinds: &[&str] = if decided { &["commit_unconfirmed"] } else { &["staged_rank_unreachable", "unhealthy_at_decision"] };
+            assert!(kinds.contains(&failure["kind"].as_str().unwrap_or_default()), "{step}: {failure:#}");
+        }
         if decided {
             assert_eq!(survivor, version_b, "{step}: after the decision the survivor holds B");
             assert!(!steps_of(&out, 0).contains("kept version"), "{step}: no abort after a decision: {out:#}");
@@ -284,6 +294,8 @@ fn a_commit_pending_on_a_stalled_rank_is_finished_when_it_answers() {
     }
     assert_eq!(out["update"]["ok"], false, "{out:#}");
     assert_eq!(out["update"]["pending_commits"]["0"], version_b.as_str(), "{out:#}");
+    assert_eq!(out["update"]["failure"]["kind"], "commit_unconfirmed", "{out:#}");
+    assert_eq!(out["update"]["failure"]["replicas"], serde_json::json!([0]), "{out:#}");
     assert!(steps.contains("rank dp0/tp1") && !steps.contains("kept version"), "{steps}");
     let mid = cluster.report();
     assert!(!serving(&mid, 0), "{mid:#}");

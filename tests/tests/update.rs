@@ -264,6 +264,7 @@ fn a_version_is_verified_against_the_reference_once_and_later_replicas_by_identi
     let launched: Vec<f64> = cluster.report()["ranks"].as_array().unwrap().iter().map(|r| r["load_seconds"].as_f64().unwrap()).collect();
     let doc = cluster.update_doc(&c);
     assert_eq!(doc["ok"], true, "{doc:#}");
+    assert!(doc["update"].get("failure").is_none(), "no failure when every replica took the version: {doc:#}");
     let steps = doc["update"]["steps"].to_string();
     assert!(steps.contains("replica dp0: staged in") && steps.contains("verified against the reference"), "{steps}");
     assert!(steps.contains("verified as byte-identical to dp0"), "{steps}");
@@ -334,6 +335,19 @@ fn a_first_replica_that_staged_wrong_layouts_fails_its_staged_round_trip() {
     let steps: Vec<&str> = doc["update"]["steps"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
     let dp0 = steps.iter().find(|s| s.starts_with("replica dp0: FAILED")).unwrap_or_else(|| panic!("{steps:#?}"));
     assert!(dp0.contains("rank dp0/tp0: staged round trip failed"), "{dp0}");
+    // The same as data: which check, which replica and rank, and the round trip's failures
+    // tensor by tensor (a layer-0 tensor whose permutation was skipped among them).
+    let failure = &doc["update"]["failure"];
+    assert_eq!(failure["kind"], "round_trip", "{failure:#}");
+    assert_eq!(failure["refused"], false, "{failure:#}");
+    assert_eq!(failure["replicas"], serde_json::json!([0]), "{failure:#}");
+    assert_eq!(failure["rank"], "dp0/tp0", "{failure:#}");
+    let details = failure["round_trip"].as_array().unwrap();
+    assert!(
+        details.iter().any(|d| d["kind"] == "mismatch" && d["tensor"].as_str().is_some_and(|t| t.starts_with("layers.0.attn."))),
+        "{failure:#}"
+    );
+    assert!(failure["why"].as_str().unwrap().contains("staged round trip failed"), "{failure:#}");
     assert_eq!(versions(&cluster.report()), before, "every rank keeps A");
 }
 
