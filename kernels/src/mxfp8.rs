@@ -253,6 +253,7 @@ fn quantize_rows_with(
         BlockOrder::Rows(p) => Some(p.inverse_map()),
         _ => None,
     };
+    let src = Rows { bf16, k, rule, order, dst_of };
     #[cfg(target_arch = "x86_64")]
     if avx512::available() {
         // Blocks four at a time where a row's groups allow, else one by one. SAFETY: the CPU
@@ -261,11 +262,7 @@ fn quantize_rows_with(
         return unsafe {
             avx512::with_instructions(|| {
                 quantize_rows_body(
-                    bf16,
-                    k,
-                    rule,
-                    order,
-                    dst_of,
+                    src,
                     elements,
                     scales,
                     after_row,
@@ -282,38 +279,38 @@ fn quantize_rows_with(
         // `simd::dispatch!` did), it was called through a `Fn::call` shim compiled for the
         // baseline (SSE2: about a third of a warm BF16 reload's samples on an AVX2-only CPU).
         #[target_feature(enable = "avx2")]
-        #[allow(clippy::too_many_arguments)]
         fn rows_avx2(
-            bf16: &[u8],
-            k: usize,
-            rule: ScaleRule,
-            order: BlockOrder<'_>,
-            dst_of: Option<&[u32]>,
+            src: Rows<'_>,
             elements: &mut [u8],
             scales: &mut [u8],
             after_row: impl FnMut(&[u8], &[u8], &[u8]),
         ) -> Result<(), KernelError> {
             let one = |src: &[u8; BLOCK * 2], rule, dst: &mut [u8]| quantize_bf16_block(src, rule, dst);
-            quantize_rows_body(bf16, k, rule, order, dst_of, elements, scales, after_row, one, |_, _, _| None)
+            quantize_rows_body(src, elements, scales, after_row, one, |_, _, _| None)
         }
         // SAFETY: the CPU has AVX2 (checked just above).
-        return unsafe { rows_avx2(bf16, k, rule, order, dst_of, elements, scales, after_row) };
+        return unsafe { rows_avx2(src, elements, scales, after_row) };
     }
-    quantize_rows_body(bf16, k, rule, order, dst_of, elements, scales, after_row, quantize_bf16_block, |_, _, _| None)
+    quantize_rows_body(src, elements, scales, after_row, quantize_bf16_block, |_, _, _| None)
 }
 
-/// The loop of [`quantize_rows_with`] on validated, sized buffers (`dst_of[s]`: the destination
-/// row of source row `s` when rows move), blocks quantized four at a time by `four` where it
-/// takes them (it may decline with `None`), else one at a time by `one`; both must give
-/// [`quantize_bf16_block`]'s bytes.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn quantize_rows_body(
-    bf16: &[u8],
+/// The validated source of [`quantize_rows_body`]: `[rows, k]` BF16 bytes, the scale rule, the
+/// block order and, where rows move, the destination row of each source row.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    bf16: &'a [u8],
     k: usize,
     rule: ScaleRule,
-    order: BlockOrder<'_>,
-    dst_of: Option<&[u32]>,
+    order: BlockOrder<'a>,
+    dst_of: Option<&'a [u32]>,
+}
+
+/// The loop of [`quantize_rows_with`] on validated, sized buffers, blocks quantized four at a
+/// time by `four` where it takes them (it may decline with `None`), else one at a time by
+/// `one`; both must give [`quantize_bf16_block`]'s bytes.
+#[inline(always)]
+fn quantize_rows_body(
+    Rows { bf16, k, rule, order, dst_of }: Rows<'_>,
     elements: &mut [u8],
     scales: &mut [u8],
     mut after_row: impl FnMut(&[u8], &[u8], &[u8]),
@@ -473,8 +470,15 @@ mod tests {
                     BlockOrder::Rows(p) => Some(p.inverse_map()),
                     _ => None,
                 };
-                quantize_rows_body(&bf16, k, rule, order, dst_of, &mut be, &mut bs, |_, _, _| {}, quantize_bf16_block, |_, _, _| None)
-                    .unwrap();
+                quantize_rows_body(
+                    Rows { bf16: &bf16, k, rule, order, dst_of },
+                    &mut be,
+                    &mut bs,
+                    |_, _, _| {},
+                    quantize_bf16_block,
+                    |_, _, _| None,
+                )
+                .unwrap();
                 assert_eq!((&e, &s), (&be, &bs), "{rule:?} {order:?}");
             }
         }
