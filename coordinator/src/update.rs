@@ -468,10 +468,10 @@ pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &Mo
     let outcome = roll(cluster, rotation, running, plan).await;
     // The update ended (its end is journaled): the versions kept for its rollback go.
     cluster.release().await;
-    let label = match (outcome.ok, outcome.new_version.is_empty()) {
-        (true, _) => "ok",
-        (false, true) => "refused",
-        (false, false) => "failed",
+    let label = match &outcome.failure {
+        None => "ok",
+        Some(f) if f.refused => "refused",
+        Some(_) => "failed",
     };
     crate::metrics::metrics().update_ended(label, outcome.seconds);
     tracing::info!(outcome = label, version = %outcome.new_version, seconds = outcome.seconds, "rolling update ended");
