@@ -620,11 +620,12 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
                     ("FAILED", if dp == failed { e.clone() } else { format!("aborted with its batch (replica dp{failed} failed)") })
                 };
                 roll.abort_replicas(&undecided, &why, &mut steps).await;
-                if decided.is_empty() {
-                    let (failed, mut f) = failure.expect("checked just above");
-                    f.why = format!("replica dp{failed} failed: {}", f.why);
-                    break 'batches Some((failed, f));
-                }
+            }
+            if decided.is_empty()
+                && let Some((failed, mut f)) = failure
+            {
+                f.why = format!("replica dp{failed} failed: {}", f.why);
+                break 'batches Some((failed, f));
             }
             let stuck = roll.commit_decided(group, &decided, &staged, &mut steps, &mut pending_commits, &swap_probes).await;
             if let Some((failed, mut f)) = failure {
