@@ -1258,6 +1258,17 @@ mod tests {
         ContentClaim { version: version.into(), frame: "f".into(), files: BTreeMap::new() }
     }
 
+    /// A failed verification has one name: the metric's `rule` label is the update JSON's
+    /// failure `kind`.
+    #[test]
+    fn each_verification_rule_is_named_alike_in_the_metric_and_the_failure() {
+        use VerifyRule::*;
+        for rule in [Unreachable, Version, ReplicaDigests, RoundTrip, ProbeTolerance, YAgreement] {
+            let kind = serde_json::to_value(UpdateFailureKind::from(rule)).unwrap();
+            assert_eq!(kind, rule.label(), "{rule:?}");
+        }
+    }
+
     #[test]
     fn known_claims_keep_the_newest_claim_per_directory_and_a_bounded_number() {
         let known = KnownClaims::default();
