@@ -11,7 +11,7 @@
 //!   rows as it copies it (the destination is written, never read).
 //!
 //! A tensor of [`STREAMING_MIN_BYTES`] or more placed into a reused buffer (a reload) is written
-//! with non-temporal stores ([`copy_streaming`]): nothing reads it back soon, and each
+//! with non-temporal stores ([`Copier::streaming`]): nothing reads it back soon, and each
 //! destination line is then written without being read first.
 //!
 //! The digests are the XXH3-64 of the bytes in storage order, exactly [`Digest::of`].
@@ -20,7 +20,7 @@ use crate::backend::resize_for_overwrite;
 use crate::digest::{Digest, DigestStream};
 use crate::e4m3::{digest_nan_free, find_nan};
 use crate::permutation::{BlockOrder, O_CHUNK};
-use crate::simd::{STREAMING_MIN_BYTES, copy_streaming};
+use crate::simd::{Copier, STREAMING_MIN_BYTES};
 use crate::{KernelError, permutation};
 
 /// The digests of one placement.
@@ -43,8 +43,13 @@ pub struct QuantizedDigests {
     pub scales: Digest,
 }
 
-/// Bytes per step of the checkpoint-order pass (stays in L2 between check, digest and copy).
-const STEP: usize = 128 * 1024;
+/// Bytes per step of the checkpoint-order pass: a step stays in L1 between its check, digest
+/// and copy, and the step [`STEPS_AHEAD`] on is fetched meanwhile. From memory on the AVX2 VM,
+/// one thread, streamed: 10.7-12.6 GB/s (9.5-10.3 unfetched), against 6.5-7.9 in steps of
+/// 128 KiB, each checked from memory, then digested and copied from L2 (and fenced).
+const STEP: usize = 2048;
+/// How many steps ahead the checkpoint-order pass fetches.
+const STEPS_AHEAD: usize = 2;
 
 fn nan_at(at: usize, k: usize) -> KernelError {
     KernelError::NonFinite { row: at / k, col: at % k }
@@ -60,19 +65,19 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
     // A large tensor placed into a reused buffer is written past the caches (no reader soon,
     // and no read for ownership of each destination line). A fresh buffer is not: the kernel
     // zeroes each of its pages on the first store, which leaves the page's lines in cache.
-    let streaming = src.len() >= STREAMING_MIN_BYTES && dst.capacity() >= src.len();
-    let copy: fn(&mut [u8], &[u8]) = if streaming { copy_streaming } else { <[u8]>::copy_from_slice };
+    let mut out = Copier::streaming_if(src.len() >= STREAMING_MIN_BYTES && dst.capacity() >= src.len());
     match order {
         BlockOrder::Identity => {
             // Every byte is overwritten below (a reused buffer of this size is not touched).
             resize_for_overwrite(dst, src.len());
             let mut h = DigestStream::new();
             for (i, (s, d)) in src.chunks(STEP).zip(dst.chunks_mut(STEP)).enumerate() {
+                crate::simd::prefetch_row(src, STEP, i + STEPS_AHEAD);
                 if let Some(at) = find_nan(s) {
                     return Err(nan_at(i * STEP + at, k));
                 }
                 h.update(s);
-                copy(d, s);
+                out.copy(d, s);
             }
             let d = h.finish();
             Ok(Placed { source: d, placed: d, quantized: None })
@@ -101,7 +106,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
                     run.copy_from_slice(&s[at..at + O_CHUNK]);
                 }
                 hd.update(&row);
-                copy(d, &row);
+                out.copy(d, &row);
             }
             Ok(Placed { source: hs.finish(), placed: hd.finish(), quantized: None })
         }
@@ -117,7 +122,7 @@ pub fn place_e4m3(src: &[u8], rows: usize, k: usize, order: BlockOrder<'_>, dst:
             let mut h = DigestStream::new();
             let mut f = 0;
             for piece in permutation::gathered_pieces(src, k, perm.as_slice()) {
-                copy(&mut dst[f..f + piece.len()], piece);
+                out.copy(&mut dst[f..f + piece.len()], piece);
                 h.update(piece);
                 f += piece.len();
             }
