@@ -7,6 +7,8 @@ use crate::permutation::BlockOrder;
 use crate::{KernelError, e4m3, e8m0};
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 
 /// Elements per scale block along K.
@@ -273,23 +275,19 @@ fn quantize_rows_with(
         };
     }
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_avx2() {
-        // The loop and the block quantizer compiled with AVX2, the quantizer called through a
-        // closure defined in that code: handed to the loop as a function item (as
-        // `simd::dispatch!` did), it was called through a `Fn::call` shim compiled for the
-        // baseline (SSE2: about a third of a warm BF16 reload's samples on an AVX2-only CPU).
-        #[target_feature(enable = "avx2")]
-        fn rows_avx2(
-            src: Rows<'_>,
-            elements: &mut [u8],
-            scales: &mut [u8],
-            after_row: impl FnMut(&[u8], &[u8], &[u8]),
-        ) -> Result<(), KernelError> {
-            let one = |src: &[u8; BLOCK * 2], rule, dst: &mut [u8]| quantize_bf16_block(src, rule, dst);
-            quantize_rows_body(src, elements, scales, after_row, one, |_, _, _| None)
-        }
-        // SAFETY: the CPU has AVX2 (checked just above).
-        return unsafe { rows_avx2(src, elements, scales, after_row) };
+    if avx2::available() {
+        // Blocks four at a time by `avx2::four` where it takes them, else one by one by the
+        // plain loop, all compiled with AVX2: the plain loop called through a closure defined
+        // in that code (handed to the loop as a function item, as `simd::dispatch!` did, it was
+        // called through a `Fn::call` shim compiled for the baseline, SSE2: about a third of a
+        // warm BF16 reload's samples on an AVX2-only CPU). SAFETY: the CPU has AVX2 (checked
+        // just above), and `four` runs inside `with_instructions`.
+        return unsafe {
+            avx2::with_instructions(|| {
+                let one = |src: &[u8; BLOCK * 2], rule, dst: &mut [u8]| quantize_bf16_block(src, rule, dst);
+                quantize_rows_body(src, elements, scales, after_row, one, |src, rule, dst| avx2::four(src, rule, dst))
+            })
+        };
     }
     quantize_rows_body(src, elements, scales, after_row, quantize_bf16_block, |_, _, _| None)
 }
@@ -601,5 +599,106 @@ mod tests {
         quantize_bf16_rows(&bf16, 4, 64, ScaleRule::Floor, &mut e1, &mut s1).unwrap();
         quantize_f32_rows(&truncated, 64, ScaleRule::Floor, &mut e2, &mut s2).unwrap();
         assert_eq!((e1, s1), (e2, s2));
+    }
+
+    // The checks of the vector quantizers (`avx512`, `avx2`), each given a version's entry points.
+
+    /// A xorshift64 sequence from `x`.
+    fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        }
+    }
+
+    /// Groups of four blocks, each of its own scale (some of them handed back): what `four`
+    /// takes, it writes and scales as the plain loop does each block, in its place.
+    pub(super) fn four_blocks_match_the_plain_loop(four: impl Fn([&[u8; BLOCK * 2]; 4], ScaleRule, &mut [u8]) -> Option<[u8; 4]>) {
+        let mut next = xorshift(0x2545_F491_4F6C_DD1Du64);
+        let mut taken = 0;
+        for round in 0..20_000 {
+            let blocks: [[u8; BLOCK * 2]; 4] = std::array::from_fn(|_| {
+                let (base, spread) = (1 + next() % 253, if next().is_multiple_of(50) { 40 } else { 4 });
+                let mut src = [0u8; BLOCK * 2];
+                for i in 0..BLOCK {
+                    let v = next();
+                    let h = ((v >> 63) as u16) << 15 | ((base + (v >> 20) % spread).min(254) as u16) << 7 | (v as u16 & 0x7F);
+                    src[2 * i..2 * i + 2].copy_from_slice(&h.to_le_bytes());
+                }
+                src
+            });
+            for rule in [ScaleRule::Rceil, ScaleRule::Floor] {
+                let mut got = [0xA5u8; 4 * BLOCK];
+                let Some(scales) = four(std::array::from_fn(|i| &blocks[i]), rule, &mut got) else {
+                    continue;
+                };
+                taken += 1;
+                for (i, block) in blocks.iter().enumerate() {
+                    let mut want = [0u8; BLOCK];
+                    assert_eq!(Ok(scales[i]), quantize_bf16_block(block, rule, &mut want), "round {round} block {i} {rule:?}");
+                    assert_eq!(got[i * BLOCK..(i + 1) * BLOCK], want, "round {round} block {i} {rule:?}");
+                }
+            }
+        }
+        assert!(taken > 20_000, "four took {taken} of 40000 groups");
+    }
+
+    /// Every block class the plain loop distinguishes, both rules: the same bytes and scale, the
+    /// same error.
+    pub(super) fn blocks_match_the_plain_loop(quantize_block: impl Fn(&[u8; BLOCK * 2], ScaleRule, &mut [u8]) -> Result<u8, usize>) {
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15u64);
+        for round in 0..200_000 {
+            let mut src = [0u8; BLOCK * 2];
+            let r = next();
+            // Narrow exponent spreads make normal blocks; wide ones subnormal results.
+            let spread = [2u64, 6, 12, 255][(r % 4) as usize];
+            let base = 1 + (r >> 8) % 250;
+            for i in 0..BLOCK {
+                let v = next();
+                let exponent = (base + (v >> 20) % spread).min(255) as u16;
+                let mut h = ((v >> 60) as u16 & 1) << 15 | exponent << 7 | (v as u16 & 0x7F);
+                match (round % 97, i) {
+                    (0, 3) => h = 0x7F80,   // +inf
+                    (1, 5) => h = 0xFFC1,   // NaN
+                    (2, _) => h &= 0x8000,  // all (signed) zeros
+                    (3, 9) => h = 0x0001,   // a subnormal input
+                    (4, 11) => h &= 0x8000, // one zero
+                    _ => {}
+                }
+                src[2 * i..2 * i + 2].copy_from_slice(&h.to_le_bytes());
+            }
+            for rule in [ScaleRule::Rceil, ScaleRule::Floor] {
+                let (mut want, mut got) = ([0u8; BLOCK], [0xA5u8; BLOCK]);
+                let expected = quantize_bf16_block(&src, rule, &mut want);
+                let result = quantize_block(&src, rule, &mut got);
+                assert_eq!(result, expected, "round {round} {rule:?}");
+                if expected.is_ok() {
+                    assert_eq!(got, want, "round {round} {rule:?}");
+                }
+            }
+        }
+    }
+
+    /// Every positive finite BF16 magnitude as a block's maximum, with both signs, both rules:
+    /// the scale byte without a division is the plain loop's, and so are the bytes.
+    pub(super) fn blocks_match_the_plain_loop_at_every_magnitude(
+        quantize_block: impl Fn(&[u8; BLOCK * 2], ScaleRule, &mut [u8]) -> Result<u8, usize>,
+    ) {
+        for amax in 1..0x7F80u16 {
+            let mut src = [0u8; BLOCK * 2];
+            for i in 0..BLOCK {
+                // Smaller elements spread over the next few binades, some negative.
+                let below = (i as u16 % 5) << 7 | (i as u16 * 37) & 0x7F;
+                let h = if i == 13 { amax } else { amax.saturating_sub(below).max(1) } | (u16::from((i as u16).is_multiple_of(3))) << 15;
+                src[2 * i..2 * i + 2].copy_from_slice(&h.to_le_bytes());
+            }
+            for rule in [ScaleRule::Rceil, ScaleRule::Floor] {
+                let (mut want, mut got) = ([0u8; BLOCK], [0xA5u8; BLOCK]);
+                assert_eq!(quantize_block(&src, rule, &mut got), quantize_bf16_block(&src, rule, &mut want), "amax {amax:#06x} {rule:?}");
+                assert_eq!(got, want, "amax {amax:#06x} {rule:?}");
+            }
+        }
     }
 }
