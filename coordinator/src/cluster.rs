@@ -165,11 +165,15 @@ fn visible_gpus() -> usize {
     orchestrator_kernels::cuda::CudaBackend::device_count().max(1)
 }
 
+mod rank_error;
+
+pub use rank_error::{RankDown, RankError};
+
 /// A failure named by rank.
-pub type Failures = Vec<(u32, String)>;
+pub type Failures = Vec<(u32, RankError)>;
 
 /// Each rank's answer (or why it has none), by worker id.
-pub type RankResults<T> = BTreeMap<u32, Result<T, String>>;
+pub type RankResults<T> = BTreeMap<u32, Result<T, RankError>>;
 
 /// The worker command: the `orchestrator-worker` binary next to this executable (as TGI's
 /// launcher finds its shards), or, when it is not there (`cargo run --bin orchestrator` builds
@@ -363,26 +367,20 @@ impl Cluster {
     /// (its process is gone) and why.
     pub async fn health(&self, w: &WorkerHandle) -> crate::rollout::RankHealth {
         if let Some(how) = w.process.exited().await {
-            return Some((true, format!("{} {how}", w.label())));
+            return Some(RankDown::Exited { rank: w.label(), how });
         }
         let r = self.registry.get(w.id)?;
         let silent = r.last_heartbeat.elapsed();
         // A worker on another host cannot be watched exited: one silent this long is presumed
         // dead (its own coordinator grace has long ended it, if it still runs).
-        let dead = matches!(w.process, WorkerProcess::Remote) && silent > limits::REMOTE_PRESUMED_DEAD;
-        (silent > HEARTBEAT_TIMEOUT).then(|| {
-            (
-                dead,
-                format!(
-                    "{} (pid {} on host {}, {}) {}: no heartbeat for {:.1} s",
-                    w.label(),
-                    r.process.pid,
-                    r.host,
-                    r.device,
-                    if dead { "is presumed dead" } else { "stopped answering" },
-                    silent.as_secs_f64()
-                ),
-            )
+        let presumed_dead = matches!(w.process, WorkerProcess::Remote) && silent > limits::REMOTE_PRESUMED_DEAD;
+        (silent > HEARTBEAT_TIMEOUT).then(|| RankDown::Silent {
+            rank: w.label(),
+            pid: r.process.pid,
+            host: r.host,
+            device: r.device,
+            silent_s: silent.as_secs_f64(),
+            presumed_dead,
         })
     }
 
@@ -396,11 +394,11 @@ impl Cluster {
     }
 
     /// Resolves once rank `w` is down (checked every 100 ms), with why; never while it is up.
-    async fn rank_down(&self, w: &WorkerHandle) -> String {
+    async fn rank_down(&self, w: &WorkerHandle) -> RankDown {
         loop {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            if let Some((_, why)) = self.health(w).await {
-                return why;
+            if let Some(down) = self.health(w).await {
+                return down;
             }
         }
     }
@@ -416,7 +414,7 @@ impl Cluster {
             }
             for w in &self.workers {
                 if let Some(how) = w.process.exited().await {
-                    return Err(vec![(w.id, format!("{} {how} before registering", w.label()))]);
+                    return Err(vec![(w.id, RankError::ExitedBeforeRegistering { rank: w.label(), how })]);
                 }
             }
             if start.elapsed() > deadline {
@@ -427,7 +425,7 @@ impl Cluster {
                     .into_iter()
                     .map(|id| {
                         let (dp, tp) = (id / self.tp, id % self.tp);
-                        (id, format!("rank {id} (dp{dp}/tp{tp}) did not register within {} s ({joined})", deadline.as_secs()))
+                        (id, RankError::NotRegistered { id, dp, tp, within_s: deadline.as_secs(), joined: joined.clone() })
                     })
                     .collect());
             }
@@ -440,13 +438,15 @@ impl Cluster {
     /// Connects to every registered worker (`lazy`: on first use).
     async fn connect_registered(&mut self, lazy: bool) -> Result<(), Failures> {
         for w in &mut self.workers {
-            let reg = self.registry.get(w.id).ok_or_else(|| vec![(w.id, format!("{} is not registered", w.label()))])?;
+            let reg = self.registry.get(w.id).ok_or_else(|| vec![(w.id, RankError::Unregistered { rank: w.label() })])?;
             let endpoint = orchestrator_net::tls::endpoint(&reg.address, self.tls.as_ref())
-                .map_err(|e| vec![(w.id, format!("{}: {e}", w.label()))])?;
+                .map_err(|e| vec![(w.id, RankError::Connect { rank: w.label(), address: None, message: e.to_string() })])?;
             let channel = if lazy {
                 endpoint.connect_lazy()
             } else {
-                endpoint.connect().await.map_err(|e| vec![(w.id, format!("{}: connecting to {}: {e}", w.label(), reg.address))])?
+                endpoint.connect().await.map_err(|e| {
+                    vec![(w.id, RankError::Connect { rank: w.label(), address: Some(reg.address.clone()), message: e.to_string() })]
+                })?
             };
             w.client = Some(WorkerClient::new(channel).max_decoding_message_size(64 << 20));
         }
@@ -459,7 +459,7 @@ impl Cluster {
     pub async fn fan_out<T, F, Fut>(&self, op: F) -> RankResults<T>
     where
         F: Fn(&WorkerHandle, WorkerClient<Channel>) -> Fut,
-        Fut: Future<Output = Result<T, String>>,
+        Fut: Future<Output = Result<T, RankError>>,
     {
         self.fan_out_in(None, op).await
     }
@@ -468,16 +468,16 @@ impl Cluster {
     pub async fn fan_out_in<T, F, Fut>(&self, group: Option<u32>, op: F) -> RankResults<T>
     where
         F: Fn(&WorkerHandle, WorkerClient<Channel>) -> Fut,
-        Fut: Future<Output = Result<T, String>>,
+        Fut: Future<Output = Result<T, RankError>>,
     {
         let calls = self.workers.iter().filter(|w| group.is_none_or(|g| w.dp == g)).map(|w| {
             let call = w.client.clone().map(|client| op(w, client));
             async move {
                 let result = match call {
-                    None => Err(format!("{} is not connected", w.label())),
+                    None => Err(RankError::NotConnected { rank: w.label() }),
                     Some(call) => tokio::select! {
                         r = call => r,
-                        why = self.rank_down(w) => Err(why),
+                        down = self.rank_down(w) => Err(down.into()),
                     },
                 };
                 (w.id, result)
@@ -515,7 +515,7 @@ impl Cluster {
                     Some(&self.token),
                 );
                 let label = w.label();
-                async move { client.assign(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: assign: {}", s.message())) }
+                async move { client.assign(req).await.map(|r| r.into_inner()).map_err(|s| RankError::call(label, "assign", &s)) }
             })
             .await;
         let mut failures = Vec::new();
@@ -526,7 +526,7 @@ impl Cluster {
                     w.nccl_unique_id = assigned.nccl_unique_id.clone();
                 }
                 Some(Err(e)) => failures.push((w.id, e.clone())),
-                None => failures.push((w.id, format!("{}: assign did not complete", w.label()))),
+                None => failures.push((w.id, RankError::Incomplete { rank: w.label(), what: "assign did not complete" })),
             }
         }
         if failures.is_empty() { Ok(()) } else { Err(failures) }
@@ -579,7 +579,7 @@ impl Cluster {
             let token = self.token.clone();
             async move {
                 let req = orchestrator_net::auth::request(pb::LoadRequest {}, LOAD_DEADLINE, Some(&token));
-                let mut stream = client.load(req).await.map_err(|s| format!("{label}: load: {}", s.message()))?.into_inner();
+                let mut stream = client.load(req).await.map_err(|s| RankError::call(label.clone(), "load", &s))?.into_inner();
                 loop {
                     match stream.message().await {
                         Ok(Some(p)) => {
@@ -588,8 +588,8 @@ impl Cluster {
                                 return Ok(p.load_seconds);
                             }
                         }
-                        Ok(None) => return Err(format!("{label}: load stream ended before the load finished")),
-                        Err(s) => return Err(format!("{label}: load: {}", s.message())),
+                        Ok(None) => return Err(RankError::Incomplete { rank: label, what: "load stream ended before the load finished" }),
+                        Err(s) => return Err(RankError::call(label, "load", &s)),
                     }
                 }
             }
@@ -673,7 +673,7 @@ impl Cluster {
                         Some(&self.token),
                     );
                     let label = w.label();
-                    async move { client.probe(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: probe: {}", s.message())) }
+                    async move { client.probe(req).await.map(|r| r.into_inner()).map_err(|s| RankError::call(label, "probe", &s)) }
                 })
                 .await;
             if ring && results.values().any(Result::is_err) {
@@ -740,7 +740,7 @@ impl Cluster {
                 Some(&self.token),
             );
             let label = w.label();
-            async move { client.report(req).await.map(|r| r.into_inner()).map_err(|s| format!("{label}: report: {}", s.message())) }
+            async move { client.report(req).await.map(|r| r.into_inner()).map_err(|s| RankError::call(label, "report", &s)) }
         })
         .await
     }
@@ -765,13 +765,13 @@ impl Cluster {
                 Some(&self.token),
             );
             async move {
-                let mut stream = client.stage(req).await.map_err(|s| format!("{label}: stage: {}", s.message()))?.into_inner();
+                let mut stream = client.stage(req).await.map_err(|s| RankError::call(label.clone(), "stage", &s))?.into_inner();
                 loop {
                     match stream.message().await {
                         Ok(Some(p)) if p.finished => return Ok((p.load_seconds, p.version)),
                         Ok(Some(_)) => {}
-                        Ok(None) => return Err(format!("{label}: stage stream ended early")),
-                        Err(s) => return Err(format!("{label}: stage: {}", s.message())),
+                        Ok(None) => return Err(RankError::Incomplete { rank: label, what: "stage stream ended early" }),
+                        Err(s) => return Err(RankError::call(label, "stage", &s)),
                     }
                 }
             }
@@ -798,7 +798,7 @@ impl Cluster {
                         let r = r.into_inner();
                         (r.checkpoint_version, r.staged_version)
                     })
-                    .map_err(|s| format!("{label}: commit: {}", s.message()))
+                    .map_err(|s| RankError::call(label, "commit", &s))
             }
         })
         .await
@@ -822,7 +822,7 @@ impl Cluster {
             .fan_out(|w, mut client| {
                 let req = orchestrator_net::auth::request(pb::ReleaseRequest {}, ASSIGN_DEADLINE, Some(&self.token));
                 let label = w.label();
-                async move { client.release(req).await.map(|_| ()).map_err(|s| format!("{label}: release: {}", s.message())) }
+                async move { client.release(req).await.map(|_| ()).map_err(|s| RankError::call(label, "release", &s)) }
             })
             .await;
     }
@@ -832,7 +832,7 @@ impl Cluster {
             let req = orchestrator_net::auth::request(request.clone(), ASSIGN_DEADLINE, Some(&self.token));
             let label = w.label();
             async move {
-                client.abort(req).await.map(|r| r.into_inner().checkpoint_version).map_err(|s| format!("{label}: abort: {}", s.message()))
+                client.abort(req).await.map(|r| r.into_inner().checkpoint_version).map_err(|s| RankError::call(label, "abort", &s))
             }
         })
         .await
@@ -907,7 +907,7 @@ impl Cluster {
                     Some(&self.token),
                 );
                 let label = w.label();
-                async move { client.set_serving(req).await.map(|_| ()).map_err(|s| format!("{label}: set serving: {}", s.message())) }
+                async move { client.set_serving(req).await.map(|_| ()).map_err(|s| RankError::call(label, "set serving", &s)) }
             })
             .await;
         results.values().all(Result::is_ok)

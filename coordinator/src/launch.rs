@@ -117,13 +117,14 @@ pub fn default_checkpoint() -> anyhow::Result<PathBuf> {
 /// A report for a launch that failed before every rank could report. A rank whose process
 /// exited says so (its RPC error is only the symptom).
 async fn failure_report(plan: &LaunchPlan, cluster: &Cluster, failures: Failures, timings: BTreeMap<String, f64>) -> ConsistencyReport {
-    let mut f: BTreeMap<u32, String> = failures.into_iter().collect();
-    for w in &cluster.workers {
-        if let (Some(msg), Some(how)) = (f.get_mut(&w.id), w.process.exited().await)
-            && !msg.contains("exited")
-        {
-            *msg = format!("{} {how}; {msg}", w.label());
-        }
+    let mut f: BTreeMap<u32, String> = BTreeMap::new();
+    for (id, e) in failures {
+        let w = cluster.workers.iter().find(|w| w.id == id);
+        let exited = match w {
+            Some(w) if !e.says_it_exited() => w.process.exited().await.map(|how| (w.label(), how)),
+            _ => None,
+        };
+        f.insert(id, exited.map_or_else(|| e.to_string(), |(rank, how)| format!("{rank} {how}; {e}")));
     }
     let mut rows: Vec<_> = cluster
         .workers

@@ -78,7 +78,7 @@ async fn observe(cluster: &Cluster) -> Observed {
                 }
                 Some(Err(e)) => {
                     o.lines.push(format!("{}: {e}", w.label()));
-                    o.unreachable.insert(dp, e.clone());
+                    o.unreachable.insert(dp, e.to_string());
                 }
                 None => {
                     o.lines.push(format!("{}: no report", w.label()));
@@ -196,7 +196,7 @@ async fn resolve(
                 steps.push(format!("replica dp{dp}: rolled back to {target_version} from the copy every rank kept since its commit{back}"));
                 rolled.push(dp);
             } else {
-                let errors: Vec<&str> = answers.values().filter_map(|r| r.as_ref().err().map(String::as_str)).collect();
+                let errors: Vec<String> = answers.values().filter_map(|r| r.as_ref().err().map(ToString::to_string)).collect();
                 steps.push(format!(
                     "replica dp{dp}: the rollback from the kept copy did not finish ({}); restaging {target_version}",
                     errors.join("; ")
@@ -284,7 +284,7 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
             endpoint.stop().await;
             anyhow::bail!(
                 "cannot adopt the cluster's workers (they stop on their own once their grace period passes): {}",
-                f.into_iter().map(|(_, e)| e).collect::<Vec<_>>().join("; ")
+                f.into_iter().map(|(_, e)| e.to_string()).collect::<Vec<_>>().join("; ")
             );
         }
     };

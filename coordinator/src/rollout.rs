@@ -119,7 +119,7 @@ pub fn recovery(decided: Option<&str>) -> Recovery {
 
 /// A rank's health: `None` while it runs and heartbeats; else whether it is dead (its process
 /// is gone) and why.
-pub type RankHealth = Option<(bool, String)>;
+pub type RankHealth = Option<crate::cluster::RankDown>;
 
 /// What the health loop does with a replica.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -136,16 +136,16 @@ pub enum HealthAction {
 }
 
 /// The health loop's rule for one replica: `serving`, whether an update owns it, the health of
-/// each rank (`None`: healthy; `Some((dead, why))`), and a pending commit.
+/// each rank (`None`: healthy; `Some(down)`: why not), and a pending commit.
 pub fn health_action(serving: bool, owned_by_update: bool, ranks: &[RankHealth], pending_commit: Option<&str>) -> HealthAction {
-    let down: Vec<&(bool, String)> = ranks.iter().flatten().collect();
+    let down: Vec<&crate::cluster::RankDown> = ranks.iter().flatten().collect();
     if owned_by_update {
         return HealthAction::Keep;
     }
     match (serving, down.is_empty()) {
         (true, true) => HealthAction::Keep,
-        (true, false) => HealthAction::Pull { why: down.iter().map(|(_, w)| w.as_str()).collect::<Vec<_>>().join("; ") },
-        (false, _) if down.iter().any(|(dead, _)| *dead) => HealthAction::StayOut,
+        (true, false) => HealthAction::Pull { why: down.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ") },
+        (false, _) if down.iter().any(|d| d.is_dead()) => HealthAction::StayOut,
         (false, false) => HealthAction::Keep,
         (false, true) => HealthAction::TryReinstate { finish_commit: pending_commit.map(str::to_string) },
     }
@@ -227,16 +227,44 @@ mod tests {
     /// Event sequences for one replica through the health loop's rule.
     #[test]
     fn health_drives_rotation() {
-        let stalled = Some((false, "no heartbeat for 4.5 s".to_string()));
-        let killed = Some((true, "exited (signal 9)".to_string()));
+        use crate::cluster::RankDown;
+        let stalled = Some(RankDown::Silent {
+            rank: "rank dp0/tp1 (worker 1)".into(),
+            pid: 7,
+            host: "n1".into(),
+            device: "cpu".into(),
+            silent_s: 4.5,
+            presumed_dead: false,
+        });
+        let killed = Some(RankDown::Exited { rank: "rank dp0/tp0 (worker 0)".into(), how: "exited (signal 9)".into() });
+        let (stalled_why, killed_why) = (
+            "rank dp0/tp1 (worker 1) (pid 7 on host n1, cpu) stopped answering: no heartbeat for 4.5 s",
+            "rank dp0/tp0 (worker 0) exited (signal 9)",
+        );
         type Case<'a> = (bool, bool, Vec<RankHealth>, Option<&'a str>, HealthAction);
         let table: Vec<Case> = vec![
             (true, false, vec![None, None], None, HealthAction::Keep),
-            (true, false, vec![None, stalled.clone()], None, HealthAction::Pull { why: "no heartbeat for 4.5 s".into() }),
-            (true, false, vec![killed.clone(), None], None, HealthAction::Pull { why: "exited (signal 9)".into() }),
+            (true, false, vec![None, stalled.clone()], None, HealthAction::Pull { why: stalled_why.into() }),
+            (true, false, vec![killed.clone(), None], None, HealthAction::Pull { why: killed_why.into() }),
             // Out and still stalled: wait. Out with a dead rank: out for good.
             (false, false, vec![None, stalled.clone()], None, HealthAction::Keep),
-            (false, false, vec![killed.clone(), stalled], None, HealthAction::StayOut),
+            (false, false, vec![killed.clone(), stalled.clone()], None, HealthAction::StayOut),
+            // A remote rank silent long enough to be presumed dead counts as dead.
+            (
+                false,
+                false,
+                vec![
+                    stalled.map(|s| match s {
+                        RankDown::Silent { presumed_dead: _, rank, pid, host, device, silent_s } => {
+                            RankDown::Silent { rank, pid, host, device, silent_s, presumed_dead: true }
+                        }
+                        other => other,
+                    }),
+                    None,
+                ],
+                None,
+                HealthAction::StayOut,
+            ),
             // Out and healthy again: a probe decides (finishing a pending commit first).
             (false, false, vec![None, None], None, HealthAction::TryReinstate { finish_commit: None }),
             (false, false, vec![None, None], Some("B"), HealthAction::TryReinstate { finish_commit: Some("B".into()) }),

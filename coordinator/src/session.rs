@@ -132,7 +132,7 @@ impl Session {
                         probes.insert(id, p);
                     }
                     Err(e) => {
-                        probe_errors.insert(id, e);
+                        probe_errors.insert(id, e.to_string());
                     }
                 }
             }
@@ -143,7 +143,7 @@ impl Session {
         let t = Instant::now();
         let mut rows = Vec::new();
         for w in &self.cluster.workers {
-            let dead = self.cluster.health(w).await.filter(|(dead, _)| *dead).map(|(_, why)| format!("dead: {why}"));
+            let dead = self.cluster.health(w).await.filter(|d| d.is_dead()).map(|why| format!("dead: {why}"));
             match (reports.get(&w.id), dead) {
                 (_, Some(dead)) => rows.push(failed_row(w.id, w.dp, w.tp, dead)),
                 (Some(Ok(r)), None) => {
@@ -157,7 +157,7 @@ impl Session {
                     rr.probe_error = probe_errors.get(&w.id).cloned();
                     rows.push(rr);
                 }
-                (Some(Err(e)), None) => rows.push(failed_row(w.id, w.dp, w.tp, e.clone())),
+                (Some(Err(e)), None) => rows.push(failed_row(w.id, w.dp, w.tp, e.to_string())),
                 (None, None) => rows.push(failed_row(w.id, w.dp, w.tp, "no report".into())),
             }
         }
@@ -268,7 +268,7 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_net::grpc::
             match health_action(st.serving, st.owned_by_update, &down, st.pending_commit.as_deref()) {
                 HealthAction::Keep => {}
                 HealthAction::Pull { why } => {
-                    if down.iter().flatten().any(|(dead, _)| *dead) {
+                    if down.iter().flatten().any(|d| d.is_dead()) {
                         rotation.mark_dead(dp, &why);
                     } else {
                         rotation.pull(dp, &why);
@@ -278,7 +278,7 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_net::grpc::
                 }
                 HealthAction::StayOut => {
                     if !st.dead {
-                        let why: Vec<String> = down.iter().flatten().filter(|(d, _)| *d).map(|(_, w)| w.clone()).collect();
+                        let why: Vec<String> = down.iter().flatten().filter(|d| d.is_dead()).map(ToString::to_string).collect();
                         rotation.mark_dead(dp, &why.join("; "));
                     }
                 }

@@ -29,7 +29,7 @@ use orchestrator_proto::v1 as pb;
 use orchestrator_worker::probe::ProbeSpec;
 use serde::Serialize;
 
-use crate::cluster::{Cluster, RankResults};
+use crate::cluster::{Cluster, RankDown, RankError, RankResults};
 use crate::journal::{Event, Journal, SourceRecord, Step};
 use crate::rollout::{self, CommitStatus, Decision, RankView};
 use crate::rotation::Rotation;
@@ -59,7 +59,7 @@ pub struct UpdatePlan<'a> {
 /// One replica's probe, judged: every rank answered within tolerance, on one version, with one
 /// `y`. The version and `y` when it passed; why not otherwise.
 pub fn judge_probe(results: &RankResults<pb::ProbeResult>) -> Result<(String, String), String> {
-    let mut errors: Vec<String> = results.values().filter_map(|r| r.as_ref().err().cloned()).collect();
+    let mut errors: Vec<String> = results.values().filter_map(|r| r.as_ref().err().map(ToString::to_string)).collect();
     let probes: Vec<(&u32, &pb::ProbeResult)> = results.iter().filter_map(|(id, r)| r.as_ref().ok().map(|p| (id, p))).collect();
     if probes.iter().any(|(_, p)| !p.ok) {
         errors.push("a rank's probe is out of tolerance".into());
@@ -210,11 +210,11 @@ pub async fn drive_commit(cluster: &Cluster, dp: u32, target: &str, limit: std::
                 Some(Ok((active, staged))) => RankView::Holds { active: active.clone(), staged: staged.clone() },
                 other => {
                     let why = match other {
-                        Some(Err(e)) => e.clone(),
+                        Some(Err(e)) => e.to_string(),
                         _ => format!("{}: no answer", w.label()),
                     };
                     match cluster.health(w).await {
-                        Some((true, dead)) => RankView::Dead { why: dead },
+                        Some(down) if down.is_dead() => RankView::Dead { why: down.to_string() },
                         _ => match brief_versions(cluster, dp, w.id).await {
                             Some((active, staged)) => RankView::Holds { active, staged },
                             None => RankView::Silent { for_: start.elapsed(), why },
@@ -247,11 +247,12 @@ async fn brief_versions(cluster: &Cluster, dp: u32, id: u32) -> Option<(String, 
                 limits::COMMIT_CALL_DEADLINE,
                 Some(&cluster.token),
             );
+            let label = w.label();
             async move {
                 if !wanted {
-                    return Err(String::new());
+                    return Err(RankError::Incomplete { rank: label, what: "not asked" });
                 }
-                client.report(req).await.map(|r| r.into_inner()).map_err(|s| s.message().to_string())
+                client.report(req).await.map(|r| r.into_inner()).map_err(|s| RankError::call(label, "report", &s))
             }
         })
         .await;
@@ -807,7 +808,7 @@ impl Roll<'_> {
                 tracing::warn!(replica = dp, version = %self.new_version, rule = e.rule.label(), "staged version failed verification: {}", e.why);
                 crate::metrics::metrics().verification_failed(e.rule.label());
             }
-            let unhealthy: Vec<String> = self.cluster.down_in(dp).await.into_iter().flatten().map(|(_, why)| why).collect();
+            let unhealthy: Vec<String> = self.cluster.down_in(dp).await.into_iter().flatten().map(|d| d.to_string()).collect();
             if let Decision::Abort { why } = rollout::decide(verification.as_ref().map_err(|e| e.why.clone()).copied(), &unhealthy) {
                 let f = match verification {
                     Err(e) => UpdateFailure {
@@ -978,19 +979,19 @@ impl Roll<'_> {
                 ),
                 None => "no rank answered the abort".to_string(),
             };
-            let down: Vec<(bool, String)> = cluster.down_in(dp).await.into_iter().flatten().collect();
-            let out = if let Some((_, why)) = down.iter().find(|(dead, _)| *dead) {
-                rotation.mark_dead(dp, why);
-                format!(" ({why}: out of rotation)")
-            } else if !down.is_empty() {
-                rotation.pull(dp, &down[0].1);
-                format!(" ({}: out of rotation)", down[0].1)
+            let down: Vec<RankDown> = cluster.down_in(dp).await.into_iter().flatten().collect();
+            let out = if let Some(dead) = down.iter().find(|d| d.is_dead()) {
+                rotation.mark_dead(dp, &dead.to_string());
+                format!(" ({dead}: out of rotation)")
+            } else if let Some(down) = down.first() {
+                rotation.pull(dp, &down.to_string());
+                format!(" ({down}: out of rotation)")
             } else {
                 match try_reinstate(cluster, rotation, dp, self.probe, Proof::Verified, true).await {
                     Ok(_) => String::new(),
                     Err(why) => {
                         // A rank that died just before the abort may be known dead only now.
-                        let dead = cluster.down_in(dp).await.into_iter().flatten().find(|(dead, _)| *dead).map(|(_, why)| why);
+                        let dead = cluster.down_in(dp).await.into_iter().flatten().find(RankDown::is_dead).map(|d| d.to_string());
                         match dead {
                             Some(dead) => {
                                 rotation.mark_dead(dp, &dead);
@@ -1074,8 +1075,8 @@ impl VerifyFailure {
     }
 }
 
-fn unreachable_rank(why: &str) -> VerifyFailure {
-    fail(VerifyRule::Unreachable, why)
+fn unreachable_rank(why: impl std::fmt::Display) -> VerifyFailure {
+    fail(VerifyRule::Unreachable, why.to_string())
 }
 
 /// A staged replica that passed: what the update says about it, its `y`, and what it proved.
