@@ -887,7 +887,7 @@ impl Cluster {
             }
             // A failure names where the rank runs, whatever failed (an RPC error says only what).
             if let Some(f) = row.failure.as_mut()
-                && !f.contains(&format!("host {}", reg.host))
+                && !row.failure_names_host
             {
                 f.push_str(&format!(" [on host {}, pid {}, {}]", reg.host, reg.process.pid, reg.address));
             }

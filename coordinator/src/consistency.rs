@@ -56,6 +56,11 @@ pub struct RankRow {
     pub kernel_tensors: BTreeMap<String, String>,
     /// Set when the worker failed (exited, stopped answering, or an RPC failed).
     pub failure: Option<String>,
+    /// The failure already says where the rank runs (a silent rank's names its host and pid),
+    /// so [`crate::cluster::Cluster::annotate`] adds nothing to it. Not part of the report.
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub failure_names_host: bool,
     /// Set when the rank answered its report but its probe failed (itself, or its TP group).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub probe_error: Option<String>,
@@ -132,7 +137,27 @@ pub fn reference_plan(tp_size: u32, dp_size: u32, reports: &[(u32, u32, &pb::Ran
 }
 
 /// A rank that did not report (it failed).
-pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: String) -> RankRow {
+/// Why a rank has no row from its report: the text, and whether it names the rank's host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowFailure {
+    pub text: String,
+    pub names_host: bool,
+}
+
+impl From<String> for RowFailure {
+    fn from(text: String) -> Self {
+        Self { text, names_host: false }
+    }
+}
+
+impl From<&str> for RowFailure {
+    fn from(text: &str) -> Self {
+        text.to_string().into()
+    }
+}
+
+pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: impl Into<RowFailure>) -> RankRow {
+    let RowFailure { text: failure, names_host } = failure.into();
     RankRow {
         worker,
         dp,
@@ -159,6 +184,7 @@ pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: String) -> RankRow {
         spare_buffers: false,
         kernel_tensors: BTreeMap::new(),
         failure: Some(failure),
+        failure_names_host: names_host,
         probe_error: None,
         verdict: "FAILED".into(),
     }
@@ -193,6 +219,7 @@ pub fn row(worker: u32, r: &pb::RankReport, probe: Option<&pb::ProbeResult>) -> 
         spare_buffers: r.spare_buffers,
         kernel_tensors: r.kernel_tensors.iter().map(|t| (t.name.clone(), t.digest.clone())).collect(),
         failure: None,
+        failure_names_host: false,
         probe_error: None,
         verdict: String::new(),
     }

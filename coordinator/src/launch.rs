@@ -21,7 +21,7 @@ use orchestrator_worker::probe::ProbeSpec;
 
 pub use crate::cluster::WorkerDevice;
 use crate::cluster::{Cluster, Failures};
-use crate::consistency::{ConsistencyReport, evaluate, failed_row};
+use crate::consistency::{ConsistencyReport, RowFailure, evaluate, failed_row};
 use crate::journal::{Event, Journal, PlanRecord, SourceRecord};
 use crate::rotation::Rotation;
 use crate::server::Endpoint;
@@ -117,14 +117,18 @@ pub fn default_checkpoint() -> anyhow::Result<PathBuf> {
 /// A report for a launch that failed before every rank could report. A rank whose process
 /// exited says so (its RPC error is only the symptom).
 async fn failure_report(plan: &LaunchPlan, cluster: &Cluster, failures: Failures, timings: BTreeMap<String, f64>) -> ConsistencyReport {
-    let mut f: BTreeMap<u32, String> = BTreeMap::new();
+    let mut f: BTreeMap<u32, RowFailure> = BTreeMap::new();
     for (id, e) in failures {
         let w = cluster.workers.iter().find(|w| w.id == id);
         let exited = match w {
             Some(w) if !e.says_it_exited() => w.process.exited().await.map(|how| (w.label(), how)),
             _ => None,
         };
-        f.insert(id, exited.map_or_else(|| e.to_string(), |(rank, how)| format!("{rank} {how}; {e}")));
+        let failure = match exited {
+            Some((rank, how)) => RowFailure { text: format!("{rank} {how}; {e}"), names_host: e.names_host() },
+            None => (&e).into(),
+        };
+        f.insert(id, failure);
     }
     let mut rows: Vec<_> = cluster
         .workers

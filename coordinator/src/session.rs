@@ -143,7 +143,12 @@ impl Session {
         let t = Instant::now();
         let mut rows = Vec::new();
         for w in &self.cluster.workers {
-            let dead = self.cluster.health(w).await.filter(|d| d.is_dead()).map(|why| format!("dead: {why}"));
+            let dead = self
+                .cluster
+                .health(w)
+                .await
+                .filter(|d| d.is_dead())
+                .map(|why| crate::consistency::RowFailure { text: format!("dead: {why}"), names_host: why.names_host() });
             match (reports.get(&w.id), dead) {
                 (_, Some(dead)) => rows.push(failed_row(w.id, w.dp, w.tp, dead)),
                 (Some(Ok(r)), None) => {
@@ -157,8 +162,8 @@ impl Session {
                     rr.probe_error = probe_errors.get(&w.id).cloned();
                     rows.push(rr);
                 }
-                (Some(Err(e)), None) => rows.push(failed_row(w.id, w.dp, w.tp, e.to_string())),
-                (None, None) => rows.push(failed_row(w.id, w.dp, w.tp, "no report".into())),
+                (Some(Err(e)), None) => rows.push(failed_row(w.id, w.dp, w.tp, e)),
+                (None, None) => rows.push(failed_row(w.id, w.dp, w.tp, "no report")),
             }
         }
         timings.insert("report".into(), report_s + t.elapsed().as_secs_f64());

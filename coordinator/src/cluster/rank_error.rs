@@ -21,6 +21,11 @@ pub enum RankDown {
 }
 
 impl RankDown {
+    /// Whether the text names the rank's host (a silent rank's does).
+    pub fn names_host(&self) -> bool {
+        matches!(self, Self::Silent { .. })
+    }
+
     /// Gone for good (its process ended, or it is presumed dead), not merely silent.
     pub fn is_dead(&self) -> bool {
         match self {
@@ -65,10 +70,21 @@ impl RankError {
         Self::Call { rank, call, code: status.code(), message: status.message().to_string() }
     }
 
+    /// Whether the text names the rank's host.
+    pub fn names_host(&self) -> bool {
+        matches!(self, Self::Down(down) if down.names_host())
+    }
+
     /// Whether the error already says that the rank's process ended (so a report need not add
     /// it).
     pub fn says_it_exited(&self) -> bool {
         matches!(self, Self::ExitedBeforeRegistering { .. } | Self::Down(RankDown::Exited { .. }))
+    }
+}
+
+impl From<&RankError> for crate::consistency::RowFailure {
+    fn from(e: &RankError) -> Self {
+        Self { text: e.to_string(), names_host: e.names_host() }
     }
 }
 
@@ -122,6 +138,21 @@ mod tests {
         assert!(silent(true).to_string().ends_with("is presumed dead: no heartbeat for 61.0 s"));
         assert!(silent(true).is_dead() && !silent(false).is_dead());
         assert!(RankDown::Exited { rank: rank(), how: "exited".into() }.is_dead());
+    }
+
+    /// Only a silent rank's text names its host (a report then adds no `[on host ...]`).
+    #[test]
+    fn only_a_silent_rank_names_its_host() {
+        let rank = || "rank dp1/tp0 (worker 2)".to_string();
+        let silent =
+            RankDown::Silent { rank: rank(), pid: 9, host: "n2".into(), device: "cpu".into(), silent_s: 5.0, presumed_dead: false };
+        assert!(silent.to_string().contains("on host n2") && silent.names_host());
+        assert!(RankError::from(silent.clone()).names_host());
+        let row: crate::consistency::RowFailure = (&RankError::from(silent)).into();
+        assert!(row.names_host);
+        assert!(!RankDown::Exited { rank: rank(), how: "exited".into() }.names_host());
+        assert!(!RankError::call(rank(), "report", &tonic::Status::internal("host n2 said no")).names_host());
+        assert!(!RankError::NotConnected { rank: rank() }.names_host());
     }
 
     /// Only the errors that say the process ended say so.
