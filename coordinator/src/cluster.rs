@@ -916,7 +916,46 @@ impl Cluster {
 
 #[cfg(test)]
 mod tests {
-    use super::threads_per_worker;
+    use super::*;
+    use crate::consistency::failed_row;
+    use crate::registry::Registration;
+
+    /// A failed row names where its rank runs once: from the registry, unless its failure says
+    /// so already (a silent rank's).
+    #[test]
+    fn a_failed_row_names_its_host_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let token = Token::generate(&dir.path().join("token")).unwrap();
+        let registry = Arc::new(Registry::for_world(2));
+        for id in 0..2 {
+            registry.register(
+                id,
+                Registration {
+                    address: format!("10.0.0.{id}:7000"),
+                    host: format!("n{id}"),
+                    device: "cpu".into(),
+                    process: ProcessIdentity { pid: 40 + id, start_ticks: 1, boot_id: "b".into(), executable: "/bin/w".into() },
+                    last_heartbeat: Instant::now(),
+                    rank_source: "launch".into(),
+                },
+            );
+        }
+        let cluster = Cluster::remote(2, 1, registry, token, None);
+        let refused = RankError::call(cluster.workers[0].label(), "report", &tonic::Status::internal("boom"));
+        let silent = RankError::from(RankDown::Silent {
+            rank: cluster.workers[1].label(),
+            pid: 41,
+            host: "n1".into(),
+            device: "cpu".into(),
+            silent_s: 5.0,
+            presumed_dead: false,
+        });
+        let mut rows = vec![failed_row(0, 0, 0, &refused), failed_row(1, 0, 1, &silent)];
+        cluster.annotate(&mut rows);
+        assert_eq!(rows[0].failure.as_deref(), Some("rank dp0/tp0 (worker 0): report: boom [on host n0, pid 40, 10.0.0.0:7000]"));
+        assert_eq!(rows[1].failure, Some(silent.to_string()));
+        assert_eq!((rows[1].host.as_str(), rows[1].pid), ("n1", 41));
+    }
 
     #[test]
     fn a_replicas_ranks_share_the_hosts_cores_unless_the_user_sized_their_pools() {
