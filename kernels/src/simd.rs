@@ -165,8 +165,8 @@ mod streaming {
     /// placement from memory (copies of 2 KiB) into a destination 16 bytes off a line ran at
     /// 3.0-3.1 GB/s streamed from each copy's first 32-byte boundary, 5.0-5.1 through the
     /// cache, and 9.4-10.3 streamed by whole lines (10.7-11.5 into an aligned destination), on
-    /// the AVX2 VM. `load` and `store` move one
-    /// vector of `WIDTH` bytes, `N` to a line (`store` to an address aligned to `WIDTH`).
+    /// the AVX2 VM. `load` and `store` move one vector of `WIDTH` bytes, `N` to a line (`store`
+    /// to an address aligned to `WIDTH`).
     #[inline(always)]
     unsafe fn copy_with<V: Copy, const WIDTH: usize, const N: usize>(
         dst: &mut [u8],
