@@ -470,7 +470,16 @@ impl Cluster {
         F: Fn(&WorkerHandle, WorkerClient<Channel>) -> Fut,
         Fut: Future<Output = Result<T, RankError>>,
     {
-        let calls = self.workers.iter().filter(|w| group.is_none_or(|g| w.dp == g)).map(|w| {
+        self.fan_out_where(|w| group.is_none_or(|g| w.dp == g), op).await
+    }
+
+    /// [`Cluster::fan_out`] on the ranks `which` picks.
+    pub async fn fan_out_where<T, F, Fut>(&self, which: impl Fn(&WorkerHandle) -> bool, op: F) -> RankResults<T>
+    where
+        F: Fn(&WorkerHandle, WorkerClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<T, RankError>>,
+    {
+        let calls = self.workers.iter().filter(|w| which(w)).map(|w| {
             let call = w.client.clone().map(|client| op(w, client));
             async move {
                 let result = match call {

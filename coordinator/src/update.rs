@@ -215,7 +215,7 @@ pub async fn drive_commit(cluster: &Cluster, dp: u32, target: &str, limit: std::
                     };
                     match cluster.health(w).await {
                         Some(down) if down.is_dead() => RankView::Dead { why: down.to_string() },
-                        _ => match brief_versions(cluster, dp, w.id).await {
+                        _ => match brief_versions(cluster, w.id).await {
                             Some((active, staged)) => RankView::Holds { active, staged },
                             None => RankView::Silent { for_: start.elapsed(), why },
                         },
@@ -238,23 +238,20 @@ pub async fn drive_commit(cluster: &Cluster, dp: u32, target: &str, limit: std::
 }
 
 /// The versions one rank holds and has staged, from its brief report.
-async fn brief_versions(cluster: &Cluster, dp: u32, id: u32) -> Option<(String, String)> {
+async fn brief_versions(cluster: &Cluster, id: u32) -> Option<(String, String)> {
     let reports = cluster
-        .fan_out_in(Some(dp), |w, mut client| {
-            let wanted = w.id == id;
-            let req = orchestrator_net::auth::request(
-                pb::ReportRequest { shadow: false, brief: true, kept_round_trip: false, identical_to: None },
-                limits::COMMIT_CALL_DEADLINE,
-                Some(&cluster.token),
-            );
-            let label = w.label();
-            async move {
-                if !wanted {
-                    return Err(RankError::Incomplete { rank: label, what: "not asked" });
-                }
-                client.report(req).await.map(|r| r.into_inner()).map_err(|s| RankError::call(label, "report", &s))
-            }
-        })
+        .fan_out_where(
+            |w| w.id == id,
+            |w, mut client| {
+                let req = orchestrator_net::auth::request(
+                    pb::ReportRequest { shadow: false, brief: true, kept_round_trip: false, identical_to: None },
+                    limits::COMMIT_CALL_DEADLINE,
+                    Some(&cluster.token),
+                );
+                let label = w.label();
+                async move { client.report(req).await.map(|r| r.into_inner()).map_err(|s| RankError::call(label, "report", &s)) }
+            },
+        )
         .await;
     reports.get(&id)?.as_ref().ok().map(|r| (r.checkpoint_version.clone(), r.staged_version.clone()))
 }
