@@ -228,14 +228,17 @@ mod tests {
     #[test]
     fn health_drives_rotation() {
         use crate::cluster::RankDown;
-        let stalled = Some(RankDown::Silent {
-            rank: "rank dp0/tp1 (worker 1)".into(),
-            pid: 7,
-            host: "n1".into(),
-            device: "cpu".into(),
-            silent_s: 4.5,
-            presumed_dead: false,
-        });
+        let silent = |presumed_dead| {
+            Some(RankDown::Silent {
+                rank: "rank dp0/tp1 (worker 1)".into(),
+                pid: 7,
+                host: "n1".into(),
+                device: "cpu".into(),
+                silent_s: 4.5,
+                presumed_dead,
+            })
+        };
+        let stalled = silent(false);
         let killed = Some(RankDown::Exited { rank: "rank dp0/tp0 (worker 0)".into(), how: "exited (signal 9)".into() });
         let (stalled_why, killed_why) = (
             "rank dp0/tp1 (worker 1) (pid 7 on host n1, cpu) stopped answering: no heartbeat for 4.5 s",
@@ -250,21 +253,7 @@ mod tests {
             (false, false, vec![None, stalled.clone()], None, HealthAction::Keep),
             (false, false, vec![killed.clone(), stalled.clone()], None, HealthAction::StayOut),
             // A remote rank silent long enough to be presumed dead counts as dead.
-            (
-                false,
-                false,
-                vec![
-                    stalled.map(|s| match s {
-                        RankDown::Silent { presumed_dead: _, rank, pid, host, device, silent_s } => {
-                            RankDown::Silent { rank, pid, host, device, silent_s, presumed_dead: true }
-                        }
-                        other => other,
-                    }),
-                    None,
-                ],
-                None,
-                HealthAction::StayOut,
-            ),
+            (false, false, vec![silent(true), None], None, HealthAction::StayOut),
             // Out and healthy again: a probe decides (finishing a pending commit first).
             (false, false, vec![None, None], None, HealthAction::TryReinstate { finish_commit: None }),
             (false, false, vec![None, None], Some("B"), HealthAction::TryReinstate { finish_commit: Some("B".into()) }),
