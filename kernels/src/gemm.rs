@@ -166,6 +166,8 @@ pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
     // they cannot compute exactly.
     let dot = dot::Activations::from_mx(a);
     let few = dot.is_some() || (t_rows <= fused::FUSED_MAX_ROWS && fused::available());
+    // Where the fused path may fuse each multiply with its add.
+    let a_scales = if few { fused::ActivationScales::of(a) } else { None };
     if t_rows == 0 || n == 0 {
         return Ok(Vec::new());
     }
@@ -180,7 +182,8 @@ pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
         |(wt, scales): &mut (Vec<f32>, Vec<u8>), (tile, out)| {
             let n0 = tile * TILE;
             if few && let Some(weights) = TileWeights::gather(w, n0, scales) {
-                let done = dot.as_ref().is_some_and(|d| dot::tile(&weights, d, out)) || fused::tile(&weights, a_deq(), t_rows, out);
+                let done =
+                    dot.as_ref().is_some_and(|d| dot::tile(&weights, d, out)) || fused::tile(&weights, a_deq(), a_scales, t_rows, out);
                 if done {
                     return;
                 }

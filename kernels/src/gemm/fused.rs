@@ -7,9 +7,12 @@
 //!
 //! The arithmetic is that of [`super::tile`], value for value: each weight is the E4M3 byte as
 //! a half (the value / 256), widened to f32 and multiplied once by `256 * scale`; each output
-//! sums `a * w` (a multiply, then an add, never fused) in increasing `k`. So the bits are those
-//! of every other path, and a tile this path cannot take exactly (a NaN byte, a scale byte above
-//! 246) is handed back to [`super::tile`].
+//! sums `a * w` (a multiply, then an add) in increasing `k`. So the bits are those of every
+//! other path, and a tile this path cannot take exactly (a NaN byte, a scale byte above 246) is
+//! handed back to [`super::tile`]. The AVX2 version fuses each multiply with its add (one
+//! `vfmadd` where two operations were) where every product is exact in f32, which
+//! [`ActivationScales::exact_products`] decides from the scale bytes alone: then the fused
+//! operation's one rounding is the add's, and the bits are the same.
 //!
 //! While a tile is computed, the next one (the one its thread usually takes next) is
 //! prefetched a block at a time: a tile reads 32 rows at once, more streams than the hardware
@@ -22,15 +25,53 @@
 //! accumulators, each block's 8 x 32 bytes transposed in registers and put aside in L1 so that
 //! a column's 8 bytes are one sign-extending load. Elsewhere [`tile`] declines every tile.
 
-use super::{TILE, TileWeights};
+use super::{MxMatrix, TILE, TileWeights};
 use crate::mxfp8::BLOCK;
+use crate::{e4m3, e8m0};
 
 /// Activation rows up to which [`super::gemm`] takes this path: beyond it the tiled path's
 /// dequantized tile is reused by enough rows to pay for itself (`bench-gemm` measures both).
 pub(super) const FUSED_MAX_ROWS: usize = 8;
 
-/// The largest scale byte whose `256 * scale` is a finite f32 (`2^(246 - 127 + 8) = 2^127`).
+/// The largest scale byte whose `256 * scale` is a finite f32 (`2^(246 - 127 + 8) = 2^127`);
+/// also the largest whose values are all finite (`448 * 2^119 < 2^128`).
 const MAX_FOLDED_SCALE: u8 = 246;
+
+/// The least sum of an activation's and a weight's scale bytes whose product is exact in f32:
+/// an MXFP8 value with scale byte `s` is a multiple of `2^(s - 127 - 9)` (E4M3's least
+/// subnormal is `2^-9`) with at most 4 significant bits, so a product has at most 8 and is a
+/// multiple of `2^(sa + sw - 272)`, which f32 holds exactly down to `2^-149`: `sa + sw >= 123`.
+const MIN_EXACT_SCALE_SUM: u16 = 123;
+
+/// The largest such sum: a product is below `448^2 * 2^(sa + sw - 254) < 2^(sa + sw - 236)`, and
+/// with at most 8 significant bits it is finite (and exact) below `2^128`: `sa + sw <= 364`.
+const MAX_EXACT_SCALE_SUM: u16 = 364;
+
+/// The range of an activation matrix's scale bytes: with a tile's, whether each of their
+/// products is exact in f32 ([`Self::exact_products`]), where a multiply and an add give the
+/// bits one fused multiply-add gives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ActivationScales {
+    min: u8,
+    max: u8,
+}
+
+impl ActivationScales {
+    /// None where an activation is NaN or not finite (a NaN element or scale byte, a scale
+    /// byte above 246): which NaN a sum ends with would depend on the order of operations.
+    pub(super) fn of(a: &MxMatrix) -> Option<Self> {
+        // Folds (which vectorize) rather than early-exit searches (which do not).
+        let (min, max) = a.scales.iter().fold((u8::MAX, 0), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+        let nan = a.elements.iter().fold(false, |nan, &b| nan | e4m3::is_nan(b));
+        (!nan && max <= MAX_FOLDED_SCALE && max != e8m0::NAN_BYTE).then_some(Self { min, max })
+    }
+
+    /// Whether every product of these activations with the tile's weights is exact in f32.
+    pub(super) fn exact_products(self, w: &TileWeights<'_>) -> bool {
+        u16::from(self.min) + u16::from(w.min_scale) >= MIN_EXACT_SCALE_SUM
+            && u16::from(self.max) + u16::from(w.max_scale) <= MAX_EXACT_SCALE_SUM
+    }
+}
 
 /// The versions of this path, fastest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,16 +112,20 @@ pub(super) fn available() -> bool {
     Version::best().is_some()
 }
 
-/// `out[t * TILE + j] = sum_k a[t * k + kk] * w[j, kk]` for `t < rows` over the tile `w`.
-/// Returns false, leaving `out` unspecified, when this path cannot give the exact result: no
-/// fused path on this CPU, `rows` outside `1..=FUSED_MAX_ROWS`, a NaN byte or a scale byte above
-/// 246 in the tile.
-pub(super) fn tile(w: &TileWeights<'_>, a: &[f32], rows: usize, out: &mut [f32]) -> bool {
-    Version::best().is_some_and(|v| tile_with(v, w, a, rows, out))
+/// `out[t * TILE + j] = sum_k a[t * k + kk] * w[j, kk]` for `t < rows` over the tile `w`, where
+/// `a` holds the exact values of activations whose scales `a_scales` describes
+/// ([`ActivationScales::of`]). Returns false, leaving `out` unspecified, when this path cannot
+/// give the exact result: no fused path on this CPU, `rows` outside `1..=FUSED_MAX_ROWS`, a NaN
+/// byte or a scale byte above 246 in the tile.
+pub(super) fn tile(w: &TileWeights<'_>, a: &[f32], a_scales: Option<ActivationScales>, rows: usize, out: &mut [f32]) -> bool {
+    let fuse = a_scales.is_some_and(|s| s.exact_products(w));
+    Version::best().is_some_and(|v| tile_with(v, w, a, fuse, rows, out))
 }
 
-/// [`tile`] with the given version, which declines everything where this CPU does not run it.
-pub(super) fn tile_with(version: Version, w: &TileWeights<'_>, a: &[f32], rows: usize, out: &mut [f32]) -> bool {
+/// [`tile`] with the given version, which declines everything where this CPU does not run it;
+/// `fuse`: whether the AVX2 version fuses each multiply with its add (the same bits only where
+/// every product is exact: [`ActivationScales::exact_products`]).
+pub(super) fn tile_with(version: Version, w: &TileWeights<'_>, a: &[f32], fuse: bool, rows: usize, out: &mut [f32]) -> bool {
     let (e, next, k, scales) = (w.elements, w.next, w.k, w.scales);
     let fits = (1..=FUSED_MAX_ROWS).contains(&rows)
         && k.is_multiple_of(BLOCK)
@@ -93,19 +138,27 @@ pub(super) fn tile_with(version: Version, w: &TileWeights<'_>, a: &[f32], rows: 
     }
     #[cfg(target_arch = "x86_64")]
     match version {
-        // SAFETY: the CPU has AVX2 and F16C (`runs_here` above), and the bounds `accumulate`
+        // SAFETY: the CPU has AVX2, FMA and F16C (`runs_here` above), and the bounds `accumulate`
         // relies on were checked above (`fits`). Groups of 8 rows at once: as many as leave
         // the accumulators (ROWS x G registers of 16) and the weights room.
         Version::Avx2 => unsafe {
-            match rows {
-                1 => avx2::accumulate::<1, 4>(e, next, k, scales, a, out),
-                2 => avx2::accumulate::<2, 2>(e, next, k, scales, a, out),
-                3 => avx2::accumulate::<3, 1>(e, next, k, scales, a, out),
-                4 => avx2::accumulate::<4, 1>(e, next, k, scales, a, out),
-                5 => avx2::accumulate::<5, 1>(e, next, k, scales, a, out),
-                6 => avx2::accumulate::<6, 1>(e, next, k, scales, a, out),
-                7 => avx2::accumulate::<7, 1>(e, next, k, scales, a, out),
-                _ => avx2::accumulate::<8, 1>(e, next, k, scales, a, out),
+            match (rows, fuse) {
+                (1, false) => avx2::accumulate::<1, 4, false>(e, next, k, scales, a, out),
+                (1, true) => avx2::accumulate::<1, 4, true>(e, next, k, scales, a, out),
+                (2, false) => avx2::accumulate::<2, 2, false>(e, next, k, scales, a, out),
+                (2, true) => avx2::accumulate::<2, 2, true>(e, next, k, scales, a, out),
+                (3, false) => avx2::accumulate::<3, 1, false>(e, next, k, scales, a, out),
+                (3, true) => avx2::accumulate::<3, 1, true>(e, next, k, scales, a, out),
+                (4, false) => avx2::accumulate::<4, 1, false>(e, next, k, scales, a, out),
+                (4, true) => avx2::accumulate::<4, 1, true>(e, next, k, scales, a, out),
+                (5, false) => avx2::accumulate::<5, 1, false>(e, next, k, scales, a, out),
+                (5, true) => avx2::accumulate::<5, 1, true>(e, next, k, scales, a, out),
+                (6, false) => avx2::accumulate::<6, 1, false>(e, next, k, scales, a, out),
+                (6, true) => avx2::accumulate::<6, 1, true>(e, next, k, scales, a, out),
+                (7, false) => avx2::accumulate::<7, 1, false>(e, next, k, scales, a, out),
+                (7, true) => avx2::accumulate::<7, 1, true>(e, next, k, scales, a, out),
+                (_, false) => avx2::accumulate::<8, 1, false>(e, next, k, scales, a, out),
+                (_, true) => avx2::accumulate::<8, 1, true>(e, next, k, scales, a, out),
             }
         },
         // SAFETY: the CPU has AVX-512 F/BW/VBMI, AVX2 and F16C (`runs_here` above), and the
@@ -305,8 +358,11 @@ mod avx2 {
     /// Rows of the tile in one register.
     const GROUP: usize = 8;
 
+    /// AVX2 with F16C and FMA: every CPU with AVX2 has both (Intel from Haswell, AMD from Zen).
     pub fn available() -> bool {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("f16c")
+            && std::arch::is_x86_feature_detected!("fma")
     }
 
     /// One block of 8 rows once transposed: column `c`'s 8 bytes (row `i` at byte `i`) at
@@ -348,10 +404,11 @@ mod avx2 {
     }
 
     /// The tile: `e` is `TILE` rows of `k` E4M3 bytes, `scales` block-major (`[k / 32][TILE]`,
-    /// every byte at most 246), `G` groups of 8 rows at a time. False when a byte of the tile
-    /// is NaN.
-    #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn accumulate<const ROWS: usize, const G: usize>(
+    /// every byte at most 246), `G` groups of 8 rows at a time; `FUSE`: each multiply and its
+    /// add as one `vfmadd` (the caller knows every product to be exact). False when a byte of
+    /// the tile is NaN.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub unsafe fn accumulate<const ROWS: usize, const G: usize, const FUSE: bool>(
         e: &[u8],
         next: &[u8],
         k: usize,
@@ -419,7 +476,7 @@ mod avx2 {
                             // SAFETY: t * k + kk < ROWS * k <= a.len().
                             let av = _mm256_set1_ps(unsafe { *a.get_unchecked(t * k + kk) });
                             for (acc, w) in acc.iter_mut().zip(&w) {
-                                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(av, *w));
+                                *acc = if FUSE { _mm256_fmadd_ps(av, *w, *acc) } else { _mm256_add_ps(*acc, _mm256_mul_ps(av, *w)) };
                             }
                         }
                     }
@@ -490,25 +547,114 @@ mod tests {
         let w = WeightView { elements: &e, n, k, scales: ScaleView::RowMajor(&s) };
         let versions: Vec<Version> = Version::ALL.into_iter().filter(|v| v.runs_here()).collect();
         let (mut scratch, mut out) = (Vec::new(), vec![0f32; FUSED_MAX_ROWS * TILE]);
-        let bits = |v: &[f32]| v.iter().map(|x| if x.is_nan() { f32::NAN.to_bits() } else { x.to_bits() }).collect::<Vec<_>>();
+        let mut fused_tiles = 0;
         for rows in 1..=FUSED_MAX_ROWS {
             let v: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.37).collect();
-            let a = crate::gemm::MxMatrix::quantize(&v, k, crate::mxfp8::ScaleRule::Rceil).unwrap();
+            let a = MxMatrix::quantize(&v, k, crate::mxfp8::ScaleRule::Rceil).unwrap();
             let want = bits(&crate::gemm::gemm_reference(&a, &w).unwrap());
+            let a_scales = ActivationScales::of(&a).expect("finite activations");
             let a = a.dequantize();
             for n0 in (0..n).step_by(TILE) {
                 for &version in &versions {
                     let t = TileWeights::gather(&w, n0, &mut scratch).unwrap();
-                    assert!(tile_with(version, &t, &a, rows, &mut out), "{version:?} took no tile at {n0}, {rows} rows");
-                    for r in 0..rows {
-                        assert_eq!(
-                            bits(&out[r * TILE..][..TILE]),
-                            want[r * n + n0..][..TILE],
-                            "{version:?}, {rows} rows, tile at {n0}, row {r}"
-                        );
+                    // Fused multiply-adds only where the products are exact (tile 0 here).
+                    for fuse in [false, true].into_iter().filter(|&f| !f || a_scales.exact_products(&t)) {
+                        fused_tiles += usize::from(fuse);
+                        assert!(tile_with(version, &t, &a, fuse, rows, &mut out), "{version:?} took no tile at {n0}, {rows} rows");
+                        for r in 0..rows {
+                            assert_eq!(
+                                bits(&out[r * TILE..][..TILE]),
+                                want[r * n + n0..][..TILE],
+                                "{version:?}, fused multiply-adds {fuse}, {rows} rows, tile at {n0}, row {r}"
+                            );
+                        }
                     }
                 }
             }
+        }
+        assert_eq!(
+            fused_tiles,
+            2 * FUSED_MAX_ROWS * versions.len(),
+            "tiles 0 and 2 fuse, tile 1 (a product could pass f32's range) does not"
+        );
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| if x.is_nan() { f32::NAN.to_bits() } else { x.to_bits() }).collect()
+    }
+
+    /// One activation row `a` at scale byte `sa` against a tile whose every row is `w` at scale
+    /// byte `sw`, row `j` rotated by `3 j` and its every fifth byte negated: whether the
+    /// products are exact, what the plain loop gives and what the AVX2 version gives with
+    /// fused multiply-adds (None where the CPU has no AVX2).
+    fn fused_at(a: &[u8], sa: u8, w: &[u8], sw: u8) -> (bool, Vec<u32>, Option<Vec<u32>>) {
+        let k = a.len();
+        let e: Vec<u8> = (0..TILE * k).map(|i| w[(i % k + i / k * 3) % k] | u8::from(i % 5 == 4) << 7).collect();
+        let scales = vec![sw; TILE * k / BLOCK];
+        let w = WeightView { elements: &e, n: TILE, k, scales: ScaleView::RowMajor(&scales) };
+        let a = MxMatrix { elements: a.to_vec(), scales: vec![sa; k / BLOCK], rows: 1, k };
+        let want = bits(&crate::gemm::gemm_reference(&a, &w).unwrap());
+        let mut scratch = Vec::new();
+        let t = TileWeights::gather(&w, 0, &mut scratch).unwrap();
+        let exact = ActivationScales::of(&a).unwrap().exact_products(&t);
+        let mut out = vec![0f32; TILE];
+        let got = Version::Avx2.runs_here().then(|| {
+            assert!(tile_with(Version::Avx2, &t, &a.dequantize(), true, 1, &mut out));
+            bits(&out)
+        });
+        (exact, want, got)
+    }
+
+    /// The bounds of [`ActivationScales::exact_products`]: at scale sums of 123 and 364 every
+    /// E4M3 byte times every other (but NaN) gives the plain loop's bits with fused
+    /// multiply-adds; at 122 a product of `2^-150` rounds to 0 on its own, while the fused
+    /// operation adds it to `2^-149` and rounds the tie up to `2^-148`.
+    #[test]
+    fn fused_multiply_adds_give_the_plain_loops_bits_exactly_where_products_are_exact() {
+        // Every non-NaN byte as an activation, against every weight byte at some column.
+        let every: Vec<u8> = (0..=255u8).filter(|&b| !crate::e4m3::is_nan(b)).chain([0, 0]).collect();
+        let magnitudes: Vec<u8> = (0..0x7F).chain([0]).collect();
+        assert_eq!((every.len(), magnitudes.len()), (256, 128));
+        let weights: Vec<u8> = magnitudes.iter().cycle().take(256).copied().collect();
+        for (sa, sw) in [(0, 123), (123, 0), (61, 62), (118, 246), (246, 118), (182, 182), (127, 127)] {
+            let (exact, want, got) = fused_at(&every, sa, &weights, sw);
+            assert!(exact, "scale bytes {sa} + {sw}");
+            if let Some(got) = got {
+                assert_eq!(got, want, "scale bytes {sa} + {sw}");
+            }
+        }
+        // At scales summing to 122, 2^-9 * 2^-8 is 2^-149 and 2^-9 * 2^-9 2^-150.
+        let (mut a, mut w) = (vec![0u8; 32], vec![0u8; 32]);
+        a[..2].copy_from_slice(&[0x01, 0x01]);
+        w[..2].copy_from_slice(&[0x02, 0x01]);
+        let (exact, want, got) = fused_at(&a, 61, &w, 61);
+        assert!(!exact, "scale bytes 61 + 61");
+        if let Some(got) = got {
+            assert_ne!(got, want, "a fused multiply-add rounds a sum the plain loop does not");
+        }
+        let (exact, want, got) = fused_at(&a, 61, &w, 62);
+        assert!(exact, "scale bytes 61 + 62");
+        if let Some(got) = got {
+            assert_eq!(got, want, "scale bytes 61 + 62");
+        }
+        // Above 364 a product can pass f32's largest value.
+        let (exact, ..) = fused_at(&every, 246, &weights, 119);
+        assert!(!exact, "scale bytes 246 + 119");
+    }
+
+    /// Activations that are NaN or not finite never fuse: which NaN a sum ends with would
+    /// depend on the order of the operations.
+    #[test]
+    fn activation_scales_exclude_nan_and_infinite_activations() {
+        let a = |elements: Vec<u8>, scales: Vec<u8>| MxMatrix { rows: 1, k: elements.len(), elements, scales };
+        assert_eq!(ActivationScales::of(&a(vec![1; 64], vec![3, 200])), Some(ActivationScales { min: 3, max: 200 }));
+        assert_eq!(ActivationScales::of(&a(vec![1; 64], vec![0, MAX_FOLDED_SCALE])), Some(ActivationScales { min: 0, max: 246 }));
+        assert_eq!(ActivationScales::of(&a(vec![1; 64], vec![127, MAX_FOLDED_SCALE + 1])), None, "values above f32's range");
+        assert_eq!(ActivationScales::of(&a(vec![1; 64], vec![127, e8m0::NAN_BYTE])), None, "a NaN scale");
+        for nan in [0x7F, 0xFF] {
+            let mut elements = vec![1; 64];
+            elements[40] = nan;
+            assert_eq!(ActivationScales::of(&a(elements, vec![127, 127])), None, "a NaN element {nan:#x}");
         }
     }
 
@@ -524,7 +670,7 @@ mod tests {
         let (mut scratch, mut out) = (Vec::new(), vec![0f32; 2 * FUSED_MAX_ROWS * TILE]);
         let mut takes = |e: &[u8], s: &[u8], rows: usize, n0: usize, n: usize| {
             let w = WeightView { elements: &e[..n * k], n, k, scales: ScaleView::RowMajor(&s[..n * k / BLOCK]) };
-            TileWeights::gather(&w, n0, &mut scratch).is_some_and(|t| tile(&t, &a, rows, &mut out))
+            TileWeights::gather(&w, n0, &mut scratch).is_some_and(|t| tile(&t, &a, None, rows, &mut out))
         };
         for rows in 1..=FUSED_MAX_ROWS {
             assert_eq!(takes(&e, &s, rows, 32, n), available(), "{rows} rows");
