@@ -20,6 +20,7 @@
 use rayon::prelude::*;
 
 mod dot;
+mod exact;
 mod fused;
 mod tile;
 
@@ -166,8 +167,8 @@ pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
     // they cannot compute exactly.
     let dot = dot::Activations::from_mx(a);
     let few = dot.is_some() || (t_rows <= fused::FUSED_MAX_ROWS && fused::available());
-    // Where the fused path may fuse each multiply with its add.
-    let a_scales = if few { fused::ActivationScales::of(a) } else { None };
+    // Where a multiply and its add may be fused (`exact`).
+    let a_scales = exact::ScaleRange::of_activations(a);
     if t_rows == 0 || n == 0 {
         return Ok(Vec::new());
     }
@@ -189,8 +190,9 @@ pub fn gemm(a: &MxMatrix, w: &WeightView<'_>) -> Result<Vec<f32>, KernelError> {
                 }
             }
             wt.resize(k * TILE, 0.0);
-            tile::fill(w, n0, TILE.min(n - n0), wt);
-            tile::accumulate(a_deq(), t_rows, k, wt, out);
+            let w_scales = tile::fill(w, n0, TILE.min(n - n0), wt);
+            let fuse = a_scales.zip(w_scales).is_some_and(|(a, w)| a.exact_products(w));
+            tile::accumulate(a_deq(), t_rows, k, wt, out, fuse);
         },
     );
     let mut out = vec![0f32; t_rows * n];
@@ -242,11 +244,14 @@ impl<'a> TileWeights<'a> {
             }
             kb += 1;
         }
-        // Folds (which vectorize) rather than early-exit searches (which do not).
-        let (min_scale, max_scale) = scratch.iter().fold((u8::MAX, 0), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+        let exact::ScaleRange { min: min_scale, max: max_scale } = exact::ScaleRange::of(scratch);
         let elements: &'a [u8] = w.elements;
         let next = &elements[((n0 + TILE) * k).min(elements.len())..((n0 + 2 * TILE) * k).min(elements.len())];
         Some(Self { elements: &elements[n0 * k..(n0 + TILE) * k], next, k, scales: scratch, min_scale, max_scale })
+    }
+
+    fn scale_range(&self) -> exact::ScaleRange {
+        exact::ScaleRange { min: self.min_scale, max: self.max_scale }
     }
 }
 

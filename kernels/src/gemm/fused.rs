@@ -11,7 +11,7 @@
 //! other path, and a tile this path cannot take exactly (a NaN byte, a scale byte above 246) is
 //! handed back to [`super::tile`]. The AVX2 version fuses each multiply with its add (one
 //! `vfmadd` where two operations were) where every product is exact in f32, which
-//! [`ActivationScales::exact_products`] decides from the scale bytes alone: then the fused
+//! [`ScaleRange::exact_products`] decides from the scale bytes alone: then the fused
 //! operation's one rounding is the add's, and the bits are the same.
 //!
 //! While a tile is computed, the next one (the one its thread usually takes next) is
@@ -25,53 +25,16 @@
 //! accumulators, each block's 8 x 32 bytes transposed in registers and put aside in L1 so that
 //! a column's 8 bytes are one sign-extending load. Elsewhere [`tile`] declines every tile.
 
-use super::{MxMatrix, TILE, TileWeights};
+use super::exact::ScaleRange;
+use super::{TILE, TileWeights};
 use crate::mxfp8::BLOCK;
-use crate::{e4m3, e8m0};
 
 /// Activation rows up to which [`super::gemm`] takes this path: beyond it the tiled path's
 /// dequantized tile is reused by enough rows to pay for itself (`bench-gemm` measures both).
 pub(super) const FUSED_MAX_ROWS: usize = 8;
 
-/// The largest scale byte whose `256 * scale` is a finite f32 (`2^(246 - 127 + 8) = 2^127`);
-/// also the largest whose values are all finite (`448 * 2^119 < 2^128`).
+/// The largest scale byte whose `256 * scale` is a finite f32 (`2^(246 - 127 + 8) = 2^127`).
 const MAX_FOLDED_SCALE: u8 = 246;
-
-/// The least sum of an activation's and a weight's scale bytes whose product is exact in f32:
-/// an MXFP8 value with scale byte `s` is a multiple of `2^(s - 127 - 9)` (E4M3's least
-/// subnormal is `2^-9`) with at most 4 significant bits, so a product has at most 8 and is a
-/// multiple of `2^(sa + sw - 272)`, which f32 holds exactly down to `2^-149`: `sa + sw >= 123`.
-const MIN_EXACT_SCALE_SUM: u16 = 123;
-
-/// The largest such sum: a product is below `448^2 * 2^(sa + sw - 254) < 2^(sa + sw - 236)`, and
-/// with at most 8 significant bits it is finite (and exact) below `2^128`: `sa + sw <= 364`.
-const MAX_EXACT_SCALE_SUM: u16 = 364;
-
-/// The range of an activation matrix's scale bytes: with a tile's, whether each of their
-/// products is exact in f32 ([`Self::exact_products`]), where a multiply and an add give the
-/// bits one fused multiply-add gives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct ActivationScales {
-    min: u8,
-    max: u8,
-}
-
-impl ActivationScales {
-    /// None where an activation is NaN or not finite (a NaN element or scale byte, a scale
-    /// byte above 246): which NaN a sum ends with would depend on the order of operations.
-    pub(super) fn of(a: &MxMatrix) -> Option<Self> {
-        // Folds (which vectorize) rather than early-exit searches (which do not).
-        let (min, max) = a.scales.iter().fold((u8::MAX, 0), |(lo, hi), &s| (lo.min(s), hi.max(s)));
-        let nan = a.elements.iter().fold(false, |nan, &b| nan | e4m3::is_nan(b));
-        (!nan && max <= MAX_FOLDED_SCALE && max != e8m0::NAN_BYTE).then_some(Self { min, max })
-    }
-
-    /// Whether every product of these activations with the tile's weights is exact in f32.
-    pub(super) fn exact_products(self, w: &TileWeights<'_>) -> bool {
-        u16::from(self.min) + u16::from(w.min_scale) >= MIN_EXACT_SCALE_SUM
-            && u16::from(self.max) + u16::from(w.max_scale) <= MAX_EXACT_SCALE_SUM
-    }
-}
 
 /// The versions of this path, fastest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,18 +76,18 @@ pub(super) fn available() -> bool {
 }
 
 /// `out[t * TILE + j] = sum_k a[t * k + kk] * w[j, kk]` for `t < rows` over the tile `w`, where
-/// `a` holds the exact values of activations whose scales `a_scales` describes
-/// ([`ActivationScales::of`]). Returns false, leaving `out` unspecified, when this path cannot
+/// `a` holds the exact values of activations whose scales lie in `a_scales`
+/// ([`ScaleRange::of_activations`]). Returns false, leaving `out` unspecified, when this path cannot
 /// give the exact result: no fused path on this CPU, `rows` outside `1..=FUSED_MAX_ROWS`, a NaN
 /// byte or a scale byte above 246 in the tile.
-pub(super) fn tile(w: &TileWeights<'_>, a: &[f32], a_scales: Option<ActivationScales>, rows: usize, out: &mut [f32]) -> bool {
-    let fuse = a_scales.is_some_and(|s| s.exact_products(w));
+pub(super) fn tile(w: &TileWeights<'_>, a: &[f32], a_scales: Option<ScaleRange>, rows: usize, out: &mut [f32]) -> bool {
+    let fuse = a_scales.is_some_and(|s| s.exact_products(w.scale_range()));
     Version::best().is_some_and(|v| tile_with(v, w, a, fuse, rows, out))
 }
 
 /// [`tile`] with the given version, which declines everything where this CPU does not run it;
 /// `fuse`: whether the AVX2 version fuses each multiply with its add (the same bits only where
-/// every product is exact: [`ActivationScales::exact_products`]).
+/// every product is exact: [`ScaleRange::exact_products`]).
 pub(super) fn tile_with(version: Version, w: &TileWeights<'_>, a: &[f32], fuse: bool, rows: usize, out: &mut [f32]) -> bool {
     let (e, next, k, scales) = (w.elements, w.next, w.k, w.scales);
     let fits = (1..=FUSED_MAX_ROWS).contains(&rows)
@@ -521,7 +484,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gemm::{ScaleView, WeightView};
+    use crate::gemm::{MxMatrix, ScaleView, WeightView};
 
     /// Every version this CPU runs (not only the one [`tile`] picks: on a CPU with AVX-512 the
     /// AVX2 version runs nowhere else), for every row count, every E4M3 byte but NaN and scales
@@ -552,13 +515,13 @@ mod tests {
             let v: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.37).collect();
             let a = MxMatrix::quantize(&v, k, crate::mxfp8::ScaleRule::Rceil).unwrap();
             let want = bits(&crate::gemm::gemm_reference(&a, &w).unwrap());
-            let a_scales = ActivationScales::of(&a).expect("finite activations");
+            let a_scales = ScaleRange::of_activations(&a).expect("finite activations");
             let a = a.dequantize();
             for n0 in (0..n).step_by(TILE) {
                 for &version in &versions {
                     let t = TileWeights::gather(&w, n0, &mut scratch).unwrap();
                     // Fused multiply-adds only where the products are exact (tile 0 here).
-                    for fuse in [false, true].into_iter().filter(|&f| !f || a_scales.exact_products(&t)) {
+                    for fuse in [false, true].into_iter().filter(|&f| !f || a_scales.exact_products(t.scale_range())) {
                         fused_tiles += usize::from(fuse);
                         assert!(tile_with(version, &t, &a, fuse, rows, &mut out), "{version:?} took no tile at {n0}, {rows} rows");
                         for r in 0..rows {
@@ -596,7 +559,7 @@ mod tests {
         let want = bits(&crate::gemm::gemm_reference(&a, &w).unwrap());
         let mut scratch = Vec::new();
         let t = TileWeights::gather(&w, 0, &mut scratch).unwrap();
-        let exact = ActivationScales::of(&a).unwrap().exact_products(&t);
+        let exact = ScaleRange::of_activations(&a).unwrap().exact_products(t.scale_range());
         let mut out = vec![0f32; TILE];
         let got = Version::Avx2.runs_here().then(|| {
             assert!(tile_with(Version::Avx2, &t, &a.dequantize(), true, 1, &mut out));
@@ -605,7 +568,7 @@ mod tests {
         (exact, want, got)
     }
 
-    /// The bounds of [`ActivationScales::exact_products`]: at scale sums of 123 and 364 every
+    /// The bounds of [`ScaleRange::exact_products`]: at scale sums of 123 and 364 every
     /// E4M3 byte times every other (but NaN) gives the plain loop's bits with fused
     /// multiply-adds; at 122 a product of `2^-150` rounds to 0 on its own, while the fused
     /// operation adds it to `2^-149` and rounds the tie up to `2^-148`.
@@ -640,22 +603,6 @@ mod tests {
         // Above 364 a product can pass f32's largest value.
         let (exact, ..) = fused_at(&every, 246, &weights, 119);
         assert!(!exact, "scale bytes 246 + 119");
-    }
-
-    /// Activations that are NaN or not finite never fuse: which NaN a sum ends with would
-    /// depend on the order of the operations.
-    #[test]
-    fn activation_scales_exclude_nan_and_infinite_activations() {
-        let a = |elements: Vec<u8>, scales: Vec<u8>| MxMatrix { rows: 1, k: elements.len(), elements, scales };
-        assert_eq!(ActivationScales::of(&a(vec![1; 64], vec![3, 200])), Some(ActivationScales { min: 3, max: 200 }));
-        assert_eq!(ActivationScales::of(&a(vec![1; 64], vec![0, MAX_FOLDED_SCALE])), Some(ActivationScales { min: 0, max: 246 }));
-        assert_eq!(ActivationScales::of(&a(vec![1; 64], vec![127, MAX_FOLDED_SCALE + 1])), None, "values above f32's range");
-        assert_eq!(ActivationScales::of(&a(vec![1; 64], vec![127, e8m0::NAN_BYTE])), None, "a NaN scale");
-        for nan in [0x7F, 0xFF] {
-            let mut elements = vec![1; 64];
-            elements[40] = nan;
-            assert_eq!(ActivationScales::of(&a(elements, vec![127, 127])), None, "a NaN element {nan:#x}");
-        }
     }
 
     /// What the fused path declines, it declines whole: a NaN byte anywhere in the tile, a scale

@@ -9,28 +9,31 @@
 //!   times its scale rounded once, as the portable code computes it; then an 8 x 8 register
 //!   transpose. Tiles with NaN bytes (which loads refuse) take the portable code.
 //! - [`accumulate`]: `out[t, j] = sum_k a[t, k] * wt[k, j]` over the tile, in increasing `k`,
-//!   a multiply then an add (never fused), so every output sums exactly as the plain loop does.
+//!   a multiply then an add, so every output sums exactly as the plain loop does. The AVX2
+//!   version fuses the two where every product is exact ([`super::exact`]: the same bits).
 
+use super::exact::ScaleRange;
 use super::{TILE, WeightView};
 use crate::mxfp8::BLOCK;
 use crate::{e4m3, e8m0};
 
 /// Rows `n0 .. n0 + width` of `w`, dequantized, into `wt[k * TILE + j]` (`wt` holds
-/// `w.k * TILE` values; columns at or past `width` are zero).
-pub(super) fn fill(w: &WeightView<'_>, n0: usize, width: usize, wt: &mut [f32]) {
+/// `w.k * TILE` values; columns at or past `width` are zero). Returns the range of the tile's
+/// scale bytes where it is whole and has no NaN byte (what [`ScaleRange::exact_products`]
+/// needs), None otherwise.
+pub(super) fn fill(w: &WeightView<'_>, n0: usize, width: usize, wt: &mut [f32]) -> Option<ScaleRange> {
     #[cfg(target_arch = "x86_64")]
     if width == TILE && x86::available() && e4m3::find_nan(&w.elements[n0 * w.k..(n0 + TILE) * w.k]).is_none() {
         if x86_512::available() {
             // SAFETY: the CPU has AVX-512F, AVX2 and F16C (checked just above); `fill` checks
             // the bounds.
-            unsafe { x86_512::fill(w, n0, wt) };
-        } else {
-            // SAFETY: the CPU has AVX2 and F16C (checked just above); `fill` checks the bounds.
-            unsafe { x86::fill(w, n0, wt) };
+            return Some(unsafe { x86_512::fill(w, n0, wt) });
         }
-        return;
+        // SAFETY: the CPU has AVX2 and F16C (checked just above); `fill` checks the bounds.
+        return Some(unsafe { x86::fill(w, n0, wt) });
     }
     fill_portable(w, n0, width, wt);
+    None
 }
 
 fn fill_portable(w: &WeightView<'_>, n0: usize, width: usize, wt: &mut [f32]) {
@@ -47,8 +50,10 @@ fn fill_portable(w: &WeightView<'_>, n0: usize, width: usize, wt: &mut [f32]) {
     }
 }
 
-/// `out[t * TILE + j] = sum_kk a[t * k + kk] * wt[kk * TILE + j]` for `t < rows`.
-pub(super) fn accumulate(a: &[f32], rows: usize, k: usize, wt: &[f32], out: &mut [f32]) {
+/// `out[t * TILE + j] = sum_kk a[t * k + kk] * wt[kk * TILE + j]` for `t < rows`; `fuse`:
+/// whether the AVX2 version may fuse each multiply with its add (every product exact:
+/// [`ScaleRange::exact_products`]).
+pub(super) fn accumulate(a: &[f32], rows: usize, k: usize, wt: &[f32], out: &mut [f32], fuse: bool) {
     #[cfg(target_arch = "x86_64")]
     if x86_512::available() {
         // SAFETY: the CPU has AVX-512F (checked just above); `accumulate` checks the bounds.
@@ -57,10 +62,17 @@ pub(super) fn accumulate(a: &[f32], rows: usize, k: usize, wt: &[f32], out: &mut
     }
     #[cfg(target_arch = "x86_64")]
     if x86::available() {
-        // SAFETY: the CPU has AVX2 (checked just above); `accumulate` checks the bounds.
-        unsafe { x86::accumulate(a, rows, k, wt, out) };
+        // SAFETY: the CPU has AVX2 and FMA (checked just above); `accumulate` checks the bounds.
+        unsafe {
+            if fuse {
+                x86::accumulate::<true>(a, rows, k, wt, out);
+            } else {
+                x86::accumulate::<false>(a, rows, k, wt, out);
+            }
+        }
         return;
     }
+    let _ = fuse;
     accumulate_portable(a, rows, k, wt, out);
 }
 
@@ -82,11 +94,14 @@ fn accumulate_portable(a: &[f32], rows: usize, k: usize, wt: &[f32], out: &mut [
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{BLOCK, TILE, WeightView};
+    use super::{BLOCK, ScaleRange, TILE, WeightView};
     use crate::e8m0;
 
+    /// AVX2 with F16C and FMA (every CPU with AVX2 has both).
     pub fn available() -> bool {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("f16c")
+            && std::arch::is_x86_feature_detected!("fma")
     }
 
     /// Eight E4M3 bytes at `p` (none of them NaN) as exact f32 values divided by 256: the
@@ -134,16 +149,20 @@ mod x86 {
         ]
     }
 
-    /// A full tile (`TILE` rows from `n0`) without NaN bytes.
+    /// A full tile (`TILE` rows from `n0`) without NaN bytes; returns the range of its scale
+    /// bytes.
     #[target_feature(enable = "avx2,f16c")]
-    pub unsafe fn fill(w: &WeightView<'_>, n0: usize, wt: &mut [f32]) {
+    pub unsafe fn fill(w: &WeightView<'_>, n0: usize, wt: &mut [f32]) -> ScaleRange {
         let k = w.k;
         assert!(w.elements.len() >= (n0 + TILE) * k && wt.len() >= k * TILE && k.is_multiple_of(BLOCK));
         let base = w.elements.as_ptr();
         let out = wt.as_mut_ptr();
+        let mut range = ScaleRange { min: u8::MAX, max: 0 };
         for g in 0..TILE / 8 {
             for kb in 0..k / BLOCK {
                 let bytes: [u8; 8] = std::array::from_fn(|r| w.scale(n0 + g * 8 + r, kb));
+                let r = ScaleRange::of(&bytes);
+                range = ScaleRange { min: range.min.min(r.min), max: range.max.max(r.max) };
                 // (value / 256) * (scale * 256) is value * scale rounded once, as the portable
                 // code computes it, while scale * 256 stays finite (scale bytes up to 246).
                 let folded = bytes.iter().all(|&b| b <= 246);
@@ -166,10 +185,13 @@ mod x86 {
                 }
             }
         }
+        range
     }
 
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn accumulate(a: &[f32], rows: usize, k: usize, wt: &[f32], out: &mut [f32]) {
+    /// `FUSE`: each multiply and its add as one `vfmadd` (the caller knows every product to be
+    /// exact).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn accumulate<const FUSE: bool>(a: &[f32], rows: usize, k: usize, wt: &[f32], out: &mut [f32]) {
         assert!(a.len() >= rows * k && wt.len() >= k * TILE && out.len() >= rows * TILE);
         let w = wt.as_ptr();
         // Two activation rows at a time share each load of the tile.
@@ -182,8 +204,8 @@ mod x86 {
                 for q in 0..4 {
                     // SAFETY: kk * TILE + q * 8 + 8 <= k * TILE.
                     let wv = unsafe { _mm256_loadu_ps(w.add(kk * TILE + q * 8)) };
-                    acc[q] = _mm256_add_ps(acc[q], _mm256_mul_ps(a0, wv));
-                    acc[4 + q] = _mm256_add_ps(acc[4 + q], _mm256_mul_ps(a1, wv));
+                    acc[q] = multiply_add::<FUSE>(a0, wv, acc[q]);
+                    acc[4 + q] = multiply_add::<FUSE>(a1, wv, acc[4 + q]);
                 }
             }
             for q in 0..4 {
@@ -202,7 +224,7 @@ mod x86 {
                 for (q, acc) in acc.iter_mut().enumerate() {
                     // SAFETY: as above.
                     let wv = unsafe { _mm256_loadu_ps(w.add(kk * TILE + q * 8)) };
-                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(a0, wv));
+                    *acc = multiply_add::<FUSE>(a0, wv, *acc);
                 }
             }
             for (q, acc) in acc.into_iter().enumerate() {
@@ -210,6 +232,13 @@ mod x86 {
                 unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(t * TILE + q * 8), acc) };
             }
         }
+    }
+
+    /// `acc + a * w`: one rounding where `FUSE`, else two.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn multiply_add<const FUSE: bool>(a: __m256, w: __m256, acc: __m256) -> __m256 {
+        if FUSE { _mm256_fmadd_ps(a, w, acc) } else { _mm256_add_ps(acc, _mm256_mul_ps(a, w)) }
     }
 }
 
@@ -222,7 +251,7 @@ mod x86 {
 mod x86_512 {
     use std::arch::x86_64::*;
 
-    use super::{BLOCK, TILE, WeightView};
+    use super::{BLOCK, ScaleRange, TILE, WeightView};
     use crate::e8m0;
 
     pub fn available() -> bool {
@@ -271,16 +300,20 @@ mod x86_512 {
         out
     }
 
-    /// A full tile (`TILE` rows from `n0`) without NaN bytes.
+    /// A full tile (`TILE` rows from `n0`) without NaN bytes; returns the range of its scale
+    /// bytes.
     #[target_feature(enable = "avx512f,avx2,f16c")]
-    pub unsafe fn fill(w: &WeightView<'_>, n0: usize, wt: &mut [f32]) {
+    pub unsafe fn fill(w: &WeightView<'_>, n0: usize, wt: &mut [f32]) -> ScaleRange {
         let k = w.k;
         assert!(w.elements.len() >= (n0 + TILE) * k && wt.len() >= k * TILE && k.is_multiple_of(BLOCK));
         let base = w.elements.as_ptr();
         let out = wt.as_mut_ptr();
+        let mut range = ScaleRange { min: u8::MAX, max: 0 };
         for g in 0..TILE / 16 {
             for kb in 0..k / BLOCK {
                 let bytes: [u8; 16] = std::array::from_fn(|r| w.scale(n0 + g * 16 + r, kb));
+                let r = ScaleRange::of(&bytes);
+                range = ScaleRange { min: range.min.min(r.min), max: range.max.max(r.max) };
                 // As in `x86::fill`: (value / 256) * (scale * 256) while scale * 256 is finite.
                 let folded = bytes.iter().all(|&b| b <= 246);
                 let scales: [__m512; 16] = std::array::from_fn(|r| {
@@ -302,6 +335,7 @@ mod x86_512 {
                 }
             }
         }
+        range
     }
 
     /// `out[t * TILE + j] = sum_kk a[t * k + kk] * wt[kk * TILE + j]`: a multiply then an add
@@ -356,7 +390,11 @@ mod tests {
         let w = WeightView { elements: &elements, n, k, scales: ScaleView::RowMajor(&scales) };
         for n0 in [0, 32] {
             let (mut fast, mut plain) = (vec![1f32; k * TILE], vec![2f32; k * TILE]);
-            fill(&w, n0, TILE, &mut fast);
+            let range = fill(&w, n0, TILE, &mut fast);
+            // The tile's scale range where it has no NaN byte (and the CPU decodes it with x86
+            // code): the scales cycle through all ten values in any tile.
+            let x86 = cfg!(target_arch = "x86_64") && x86::available();
+            assert_eq!(range, (n0 == 0 && x86).then_some(ScaleRange { min: 0, max: 254 }), "tile at row {n0}");
             fill_portable(&w, n0, TILE, &mut plain);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             let differ = bits(&fast).iter().zip(bits(&plain)).position(|(a, b)| *a != b);
@@ -364,10 +402,11 @@ mod tests {
             let a: Vec<f32> = (0..5 * k).map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.125).collect();
             let finite: Vec<f32> = plain.iter().map(|x| if x.is_finite() { *x } else { 0.5 }).collect();
             let (mut got, mut want) = (vec![0f32; 5 * TILE], vec![0f32; 5 * TILE]);
-            accumulate(&a, 5, k, &finite, &mut got);
+            accumulate(&a, 5, k, &finite, &mut got, false);
             accumulate_portable(&a, 5, k, &finite, &mut want);
             assert_eq!(bits(&got), bits(&want), "accumulate at row {n0}");
         }
+        assert_eq!(fill(&w, 0, TILE - 1, &mut vec![0f32; k * TILE]), None, "a partial tile");
     }
 
     /// Each x86 version the CPU has, called directly (the dispatch picks only the widest):
@@ -398,8 +437,22 @@ mod tests {
             for rows in 1..=7 {
                 let mut got = vec![0f32; rows * TILE];
                 // SAFETY: as above.
-                unsafe { x86::accumulate(&a, rows, k, &finite, &mut got) };
+                unsafe { x86::accumulate::<false>(&a, rows, k, &finite, &mut got) };
                 assert_eq!(bits(&got), want(rows), "AVX2 accumulate, {rows} rows");
+            }
+            // Fused multiply-adds where every product is exact: the activations are multiples of
+            // 2^-3 with at most 4 significant bits (MXFP8 values), the weights' scale bytes 100 to
+            // 200, so every product is a multiple of 2^-39 (well inside f32's range).
+            let scales: Vec<u8> = (0..n * k / BLOCK).map(|i| 100 + (i * 37 % 101) as u8).collect();
+            let w = WeightView { elements: &elements, n, k, scales: ScaleView::RowMajor(&scales) };
+            let mut exact = vec![0f32; k * TILE];
+            fill_portable(&w, 0, TILE, &mut exact);
+            for rows in 1..=7 {
+                let (mut got, mut want) = (vec![0f32; rows * TILE], vec![0f32; rows * TILE]);
+                accumulate_portable(&a, rows, k, &exact, &mut want);
+                // SAFETY: as above.
+                unsafe { x86::accumulate::<true>(&a, rows, k, &exact, &mut got) };
+                assert_eq!(bits(&got), bits(&want), "AVX2 accumulate, fused, {rows} rows");
             }
         }
         if x86_512::available() {

@@ -1,0 +1,85 @@
+//! Where a multiply and an add give the bits of one fused multiply-add: where the product is
+//! exact in f32, the fused operation's one rounding is the add's. Both operands of a GEMM are
+//! MXFP8, so whether every product of two matrices is exact follows from their scale bytes.
+//!
+//! An MXFP8 value with scale byte `s` is a multiple of `2^(s - 127 - 9)` (E4M3's least subnormal
+//! is `2^-9`) with at most 4 significant bits and below `448 * 2^(s - 127)`. A product of an
+//! activation (scale byte `sa`) and a weight (`sw`) has at most 8 significant bits and is a
+//! multiple of `2^(sa + sw - 272)`: f32 holds it exactly down to `2^-149`, so from
+//! `sa + sw >= 123`; it is below `448^2 * 2^(sa + sw - 254) < 2^(sa + sw - 236)`, and with 8
+//! significant bits finite (and exact) below `2^128`, so up to `sa + sw <= 364`. Each operand
+//! must itself be finite: scale bytes up to 246 (`448 * 2^119 < 2^128`).
+
+use super::MxMatrix;
+use crate::{e4m3, e8m0};
+
+/// The least sum of an activation's and a weight's scale bytes whose products are exact.
+const MIN_EXACT_SCALE_SUM: u16 = 123;
+/// The largest such sum.
+const MAX_EXACT_SCALE_SUM: u16 = 364;
+/// The largest scale byte whose every MXFP8 value is finite.
+const MAX_FINITE_SCALE: u8 = 246;
+
+/// The least and largest of a matrix's scale bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ScaleRange {
+    pub min: u8,
+    pub max: u8,
+}
+
+impl ScaleRange {
+    pub fn of(bytes: &[u8]) -> Self {
+        // A fold (which vectorizes) rather than `min` and `max` (two passes).
+        let (min, max) = bytes.iter().fold((u8::MAX, 0), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+        Self { min, max }
+    }
+
+    /// The activations' range; None where one is NaN or not finite (a NaN element or scale
+    /// byte, a scale byte above 246): which NaN a sum ends with would depend on the order of
+    /// the operations.
+    pub fn of_activations(a: &MxMatrix) -> Option<Self> {
+        let range = Self::of(&a.scales);
+        let nan = a.elements.iter().fold(false, |nan, &b| nan | e4m3::is_nan(b));
+        (!nan && range.max <= MAX_FINITE_SCALE && range.max != e8m0::NAN_BYTE).then_some(range)
+    }
+
+    /// Whether every product of activations in this range (from [`Self::of_activations`]) with
+    /// weights in range `w` (NaN-free) is exact in f32.
+    pub fn exact_products(self, w: ScaleRange) -> bool {
+        w.max <= MAX_FINITE_SCALE
+            && u16::from(self.min) + u16::from(w.min) >= MIN_EXACT_SCALE_SUM
+            && u16::from(self.max) + u16::from(w.max) <= MAX_EXACT_SCALE_SUM
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Activations that are NaN or not finite never fuse.
+    #[test]
+    fn activation_ranges_exclude_nan_and_infinite_activations() {
+        let a = |elements: Vec<u8>, scales: Vec<u8>| MxMatrix { rows: 1, k: elements.len(), elements, scales };
+        let range = |min, max| Some(ScaleRange { min, max });
+        assert_eq!(ScaleRange::of_activations(&a(vec![1; 64], vec![200, 3])), range(3, 200));
+        assert_eq!(ScaleRange::of_activations(&a(vec![1; 64], vec![0, MAX_FINITE_SCALE])), range(0, 246));
+        assert_eq!(ScaleRange::of_activations(&a(vec![1; 64], vec![127, MAX_FINITE_SCALE + 1])), None, "values above f32's range");
+        assert_eq!(ScaleRange::of_activations(&a(vec![1; 64], vec![127, e8m0::NAN_BYTE])), None, "a NaN scale");
+        for nan in [0x7F, 0xFF] {
+            let mut elements = vec![1; 64];
+            elements[40] = nan;
+            assert_eq!(ScaleRange::of_activations(&a(elements, vec![127, 127])), None, "a NaN element {nan:#x}");
+        }
+    }
+
+    /// The bounds, on both sides, and weights that are not finite.
+    #[test]
+    fn products_are_exact_between_the_bounds() {
+        let r = |min, max| ScaleRange { min, max };
+        assert!(r(61, 127).exact_products(r(62, 127)));
+        assert!(!r(61, 127).exact_products(r(61, 127)), "a sum of 122");
+        assert!(r(100, 118).exact_products(r(100, 246)));
+        assert!(!r(100, 119).exact_products(r(100, 246)), "a sum of 365");
+        assert!(!r(0, 0).exact_products(r(123, 247)), "weights above f32's range");
+    }
+}
