@@ -102,26 +102,12 @@ pub(super) fn tile_with(version: Version, w: &TileWeights<'_>, a: &[f32], fuse: 
     #[cfg(target_arch = "x86_64")]
     match version {
         // SAFETY: the CPU has AVX2, FMA and F16C (`runs_here` above), and the bounds `accumulate`
-        // relies on were checked above (`fits`). Groups of 8 rows at once: as many as leave
-        // the accumulators (ROWS x G registers of 16) and the weights room.
+        // relies on were checked above (`fits`).
         Version::Avx2 => unsafe {
-            match (rows, fuse) {
-                (1, false) => avx2::accumulate::<1, 4, false>(e, next, k, scales, a, out),
-                (1, true) => avx2::accumulate::<1, 4, true>(e, next, k, scales, a, out),
-                (2, false) => avx2::accumulate::<2, 2, false>(e, next, k, scales, a, out),
-                (2, true) => avx2::accumulate::<2, 2, true>(e, next, k, scales, a, out),
-                (3, false) => avx2::accumulate::<3, 1, false>(e, next, k, scales, a, out),
-                (3, true) => avx2::accumulate::<3, 1, true>(e, next, k, scales, a, out),
-                (4, false) => avx2::accumulate::<4, 1, false>(e, next, k, scales, a, out),
-                (4, true) => avx2::accumulate::<4, 1, true>(e, next, k, scales, a, out),
-                (5, false) => avx2::accumulate::<5, 1, false>(e, next, k, scales, a, out),
-                (5, true) => avx2::accumulate::<5, 1, true>(e, next, k, scales, a, out),
-                (6, false) => avx2::accumulate::<6, 1, false>(e, next, k, scales, a, out),
-                (6, true) => avx2::accumulate::<6, 1, true>(e, next, k, scales, a, out),
-                (7, false) => avx2::accumulate::<7, 1, false>(e, next, k, scales, a, out),
-                (7, true) => avx2::accumulate::<7, 1, true>(e, next, k, scales, a, out),
-                (_, false) => avx2::accumulate::<8, 1, false>(e, next, k, scales, a, out),
-                (_, true) => avx2::accumulate::<8, 1, true>(e, next, k, scales, a, out),
+            if fuse {
+                avx2::accumulate_rows::<true>(rows, e, next, k, scales, a, out)
+            } else {
+                avx2::accumulate_rows::<false>(rows, e, next, k, scales, a, out)
             }
         },
         // SAFETY: the CPU has AVX-512 F/BW/VBMI, AVX2 and F16C (`runs_here` above), and the
@@ -363,6 +349,35 @@ mod avx2 {
             let c = if f == 0 { _mm256_unpacklo_epi32(x, y) } else { _mm256_unpackhi_epi32(x, y) };
             // SAFETY: 32 bytes at 32 i < 256, aligned (`Columns` is).
             unsafe { _mm256_store_si256(out.0.as_mut_ptr().add(32 * i).cast(), c) };
+        }
+    }
+
+    /// [`accumulate`] for `rows` activation rows (1 to 8), as many groups of 8 weight rows at
+    /// once as leave the accumulators (`rows x G` registers of 16) and the weights room.
+    ///
+    /// # Safety
+    /// As [`accumulate`].
+    pub unsafe fn accumulate_rows<const FUSE: bool>(
+        rows: usize,
+        e: &[u8],
+        next: &[u8],
+        k: usize,
+        scales: &[u8],
+        a: &[f32],
+        out: &mut [f32],
+    ) -> bool {
+        // SAFETY: the caller's.
+        unsafe {
+            match rows {
+                1 => accumulate::<1, 4, FUSE>(e, next, k, scales, a, out),
+                2 => accumulate::<2, 2, FUSE>(e, next, k, scales, a, out),
+                3 => accumulate::<3, 1, FUSE>(e, next, k, scales, a, out),
+                4 => accumulate::<4, 1, FUSE>(e, next, k, scales, a, out),
+                5 => accumulate::<5, 1, FUSE>(e, next, k, scales, a, out),
+                6 => accumulate::<6, 1, FUSE>(e, next, k, scales, a, out),
+                7 => accumulate::<7, 1, FUSE>(e, next, k, scales, a, out),
+                _ => accumulate::<8, 1, FUSE>(e, next, k, scales, a, out),
+            }
         }
     }
 
