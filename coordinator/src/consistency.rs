@@ -136,7 +136,6 @@ pub fn reference_plan(tp_size: u32, dp_size: u32, reports: &[(u32, u32, &pb::Ran
     plan
 }
 
-/// A rank that did not report (it failed).
 /// Why a rank has no row from its report: the text, and whether it names the rank's host.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RowFailure {
@@ -156,6 +155,7 @@ impl From<&str> for RowFailure {
     }
 }
 
+/// A rank that did not report (it failed).
 pub fn failed_row(worker: u32, dp: u32, tp: u32, failure: impl Into<RowFailure>) -> RankRow {
     let RowFailure { text: failure, names_host } = failure.into();
     RankRow {
