@@ -28,9 +28,17 @@ pub(super) struct ScaleRange {
 }
 
 impl ScaleRange {
+    /// The range of no bytes (what [`Self::with`] starts from).
+    pub const EMPTY: Self = Self { min: u8::MAX, max: 0 };
+
     pub fn of(bytes: &[u8]) -> Self {
+        Self::EMPTY.with(bytes)
+    }
+
+    /// This range widened to take in `bytes`.
+    pub fn with(self, bytes: &[u8]) -> Self {
         // A fold (which vectorizes) rather than `min` and `max` (two passes).
-        let (min, max) = bytes.iter().fold((u8::MAX, 0), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+        let (min, max) = bytes.iter().fold((self.min, self.max), |(lo, hi), &s| (lo.min(s), hi.max(s)));
         Self { min, max }
     }
 

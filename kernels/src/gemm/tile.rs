@@ -157,12 +157,11 @@ mod x86 {
         assert!(w.elements.len() >= (n0 + TILE) * k && wt.len() >= k * TILE && k.is_multiple_of(BLOCK));
         let base = w.elements.as_ptr();
         let out = wt.as_mut_ptr();
-        let mut range = ScaleRange { min: u8::MAX, max: 0 };
+        let mut range = ScaleRange::EMPTY;
         for g in 0..TILE / 8 {
             for kb in 0..k / BLOCK {
                 let bytes: [u8; 8] = std::array::from_fn(|r| w.scale(n0 + g * 8 + r, kb));
-                let r = ScaleRange::of(&bytes);
-                range = ScaleRange { min: range.min.min(r.min), max: range.max.max(r.max) };
+                range = range.with(&bytes);
                 // (value / 256) * (scale * 256) is value * scale rounded once, as the portable
                 // code computes it, while scale * 256 stays finite (scale bytes up to 246).
                 let folded = bytes.iter().all(|&b| b <= 246);
@@ -308,12 +307,11 @@ mod x86_512 {
         assert!(w.elements.len() >= (n0 + TILE) * k && wt.len() >= k * TILE && k.is_multiple_of(BLOCK));
         let base = w.elements.as_ptr();
         let out = wt.as_mut_ptr();
-        let mut range = ScaleRange { min: u8::MAX, max: 0 };
+        let mut range = ScaleRange::EMPTY;
         for g in 0..TILE / 16 {
             for kb in 0..k / BLOCK {
                 let bytes: [u8; 16] = std::array::from_fn(|r| w.scale(n0 + g * 16 + r, kb));
-                let r = ScaleRange::of(&bytes);
-                range = ScaleRange { min: range.min.min(r.min), max: range.max.max(r.max) };
+                range = range.with(&bytes);
                 // As in `x86::fill`: (value / 256) * (scale * 256) while scale * 256 is finite.
                 let folded = bytes.iter().all(|&b| b <= 246);
                 let scales: [__m512; 16] = std::array::from_fn(|r| {
