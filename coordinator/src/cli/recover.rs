@@ -1,0 +1,38 @@
+//! `recover`: restart a dead coordinator from its state directory.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use orchestrator_worker::output::emit;
+
+use crate::recover;
+
+#[derive(Args)]
+pub struct RecoverArgs {
+    /// The state directory the dead coordinator journaled to.
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// Return every replica to the version before the interrupted update instead of finishing it.
+    #[arg(long)]
+    rollback: bool,
+    /// Print the report as one JSON document.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Takes the cluster over from the journal, finishing or rolling back its update, and serves:
+/// true when the final report is clean.
+pub fn recover_cmd(a: RecoverArgs) -> anyhow::Result<bool> {
+    let dir = a.state_dir.canonicalize().with_context(|| format!("--state-dir {}", a.state_dir.display()))?;
+    let how = if a.rollback { recover::Resolve::Rollback } else { recover::Resolve::Finish };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let json = a.json;
+    runtime.block_on(recover::recover(&dir, how, |report| {
+        if json {
+            emit(&format!("{}\n", serde_json::to_string_pretty(report).unwrap_or_default()));
+        } else {
+            emit(&report.render());
+        }
+    }))
+}
