@@ -9,6 +9,20 @@
 //! `sa + sw >= 123`; it is below `448^2 * 2^(sa + sw - 254) < 2^(sa + sw - 236)`, and with 8
 //! significant bits finite (and exact) below `2^128`, so up to `sa + sw <= 364`. Each operand
 //! must itself be finite: scale bytes up to 246 (`448 * 2^119 < 2^128`).
+//!
+//! Where every product is exact, a sum may also be kept divided by a power of two `D` (the
+//! fused kernel's `256 * scale` of each weight block, `2^(sw - 119)`) and multiplied back at the
+//! block's end, with the same bits: rounding to f32 commutes with scaling by a power of two
+//! wherever neither side rounds below `2^-126` or overflows. Every value of a GEMM (product,
+//! partial sum, rounded or not) is a multiple of `q = 2^(sa_min + sw_min - 272)`, and of `q / D`
+//! once divided; a multiple of `2^-149` below `2^-126` is a subnormal f32 exactly, so rounds
+//! nowhere (and, having at most 23 significant bits, is exact on the other side too). So from
+//! `sa_min + sw_min - sw_max >= 4` (`q / D >= 2^-149` for the largest `D`) nothing rounds in the
+//! subnormal range on either side. A partial sum of `k` products stays below
+//! `2k * 2^(sa_max + sw_max - 236)` (each rounding adds at most `2^-24` of it), and below that
+//! over `D`: finite on both sides up to `sa_max + sw_max + log2(2k) <= 363` and
+//! `sa_max + sw_max - sw_min + log2(2k) <= 244`. `1 / D` must be a normal f32 for the kernel to
+//! build it from its exponent: scale bytes up to 245.
 
 use super::MxMatrix;
 use crate::{e4m3, e8m0};
@@ -19,6 +33,11 @@ const MIN_EXACT_SCALE_SUM: u16 = 123;
 const MAX_EXACT_SCALE_SUM: u16 = 364;
 /// The largest scale byte whose every MXFP8 value is finite.
 const MAX_FINITE_SCALE: u8 = 246;
+/// The least `sa_min + sw_min - sw_max` at which sums divided by a weight block's `256 * scale`
+/// never round below `2^-126`.
+const MIN_UNSCALED_QUANTUM: i32 = 4;
+/// The largest weight scale byte whose `1 / (256 * scale)` is a normal f32 (`2^-126`).
+const MAX_UNSCALED_SCALE: u8 = 245;
 
 /// The least and largest of a matrix's scale bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +77,21 @@ impl ScaleRange {
             && u16::from(self.min) + u16::from(w.min) >= MIN_EXACT_SCALE_SUM
             && u16::from(self.max) + u16::from(w.max) <= MAX_EXACT_SCALE_SUM
     }
+
+    /// Whether, besides [`Self::exact_products`], the sums of a GEMM of depth `k` over these
+    /// activations and weights in range `w` keep their bits when each weight block's sums are
+    /// kept divided by its `256 * scale` (module docs): then each weight is decoded without
+    /// its multiply by the scale, and each sum is scaled twice per block instead.
+    pub fn exact_unscaled(self, w: ScaleRange, k: usize) -> bool {
+        let (a_min, a_max, w_min, w_max) = (i32::from(self.min), i32::from(self.max), i32::from(w.min), i32::from(w.max));
+        // log2(2k), rounded up.
+        let k_bits = (2 * k.max(1)).next_power_of_two().trailing_zeros() as i32;
+        self.exact_products(w)
+            && w.max <= MAX_UNSCALED_SCALE
+            && a_min + w_min - w_max >= MIN_UNSCALED_QUANTUM
+            && a_max + w_max + k_bits <= 363
+            && a_max + w_max - w_min + k_bits <= 244
+    }
 }
 
 #[cfg(test)]
@@ -89,5 +123,31 @@ mod tests {
         assert!(r(100, 118).exact_products(r(100, 246)));
         assert!(!r(100, 119).exact_products(r(100, 246)), "a sum of 365");
         assert!(!r(0, 0).exact_products(r(123, 247)), "weights above f32's range");
+    }
+
+    /// Each bound of [`ScaleRange::exact_unscaled`], on both sides.
+    #[test]
+    fn sums_keep_their_bits_unscaled_between_the_bounds() {
+        let r = |min, max| ScaleRange { min, max };
+        // The quantum: sa_min + sw_min - sw_max >= 4.
+        assert!(r(14, 127).exact_unscaled(r(110, 120), 256));
+        assert!(!r(13, 127).exact_unscaled(r(110, 120), 256), "a quantum of 2^-150 once divided");
+        assert!(!r(14, 127).exact_unscaled(r(110, 121), 256), "a quantum of 2^-150 once divided");
+        assert!(r(4, 127).exact_unscaled(r(119, 119), 256));
+        assert!(!r(3, 127).exact_unscaled(r(120, 120), 256), "a quantum of 2^-150 once divided");
+        assert!(!r(0, 0).exact_unscaled(r(122, 122), 1), "products that are not exact");
+        // Undivided sums below 2^128: sa_max + sw_max + log2(2k) <= 363 (k = 256: 9 bits).
+        assert!(r(200, 200).exact_unscaled(r(154, 154), 256));
+        assert!(!r(200, 201).exact_unscaled(r(154, 154), 256));
+        assert!(!r(200, 200).exact_unscaled(r(154, 154), 257), "one more bit of depth");
+        assert!(r(200, 200).exact_unscaled(r(155, 155), 128));
+        // Divided sums below 2^128: sa_max + sw_max - sw_min + log2(2k) <= 244.
+        assert!(r(100, 243).exact_unscaled(r(100, 100), 1));
+        assert!(!r(100, 244).exact_unscaled(r(100, 100), 1));
+        assert!(r(100, 200).exact_unscaled(r(100, 143), 1));
+        assert!(!r(100, 200).exact_unscaled(r(100, 144), 1));
+        // 1 / (256 * scale) normal: weight scale bytes up to 245.
+        assert!(r(20, 20).exact_unscaled(r(245, 245), 256));
+        assert!(!r(20, 20).exact_unscaled(r(246, 246), 256));
     }
 }

@@ -12,7 +12,11 @@
 //! handed back to [`super::tile`]. The AVX2 version fuses each multiply with its add (one
 //! `vfmadd` where two operations were) where every product is exact in f32, which
 //! [`ScaleRange::exact_products`] decides from the scale bytes alone: then the fused
-//! operation's one rounding is the add's, and the bits are the same.
+//! operation's one rounding is the add's, and the bits are the same. Where moreover no sum
+//! rounds below `2^-126` or overflows once divided by a weight block's `256 * scale`
+//! ([`ScaleRange::exact_unscaled`]), it keeps each block's sums so divided and multiplies them
+//! back at the block's end, so that each weight is decoded without its multiply by the scale
+//! (rounding commutes with a power of two there: the same bits again).
 //!
 //! While a tile is computed, the next one (the one its thread usually takes next) is
 //! prefetched a block at a time: a tile reads 32 rows at once, more streams than the hardware
@@ -81,14 +85,31 @@ pub(super) fn available() -> bool {
 /// give the exact result: no fused path on this CPU, `rows` outside `1..=FUSED_MAX_ROWS`, a NaN
 /// byte or a scale byte above 246 in the tile.
 pub(super) fn tile(w: &TileWeights<'_>, a: &[f32], a_scales: Option<ScaleRange>, rows: usize, out: &mut [f32]) -> bool {
-    let fuse = a_scales.is_some_and(|s| s.exact_products(w.scale_range()));
-    Version::best().is_some_and(|v| tile_with(v, w, a, fuse, rows, out))
+    let arithmetic = match a_scales {
+        Some(s) if s.exact_unscaled(w.scale_range(), w.k) => Arithmetic::Unscaled,
+        Some(s) if s.exact_products(w.scale_range()) => Arithmetic::Fused,
+        _ => Arithmetic::Plain,
+    };
+    Version::best().is_some_and(|v| tile_with(v, w, a, arithmetic, rows, out))
 }
 
-/// [`tile`] with the given version, which declines everything where this CPU does not run it;
-/// `fuse`: whether the AVX2 version fuses each multiply with its add (the same bits only where
-/// every product is exact: [`ScaleRange::exact_products`]).
-pub(super) fn tile_with(version: Version, w: &TileWeights<'_>, a: &[f32], fuse: bool, rows: usize, out: &mut [f32]) -> bool {
+/// How the AVX2 version computes a tile (the AVX-512 version always as [`Arithmetic::Plain`]).
+/// Each gives the plain loop's bits where the scale bytes allow it (module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Arithmetic {
+    /// Each weight times its `256 * scale`, then each product, then each add.
+    Plain,
+    /// Each multiply and its add as one fused multiply-add: where every product is exact
+    /// ([`ScaleRange::exact_products`]).
+    Fused,
+    /// Fused, and each block's sums kept divided by its `256 * scale`
+    /// ([`ScaleRange::exact_unscaled`]).
+    Unscaled,
+}
+
+/// [`tile`] with the given version and arithmetic, which declines everything where this CPU
+/// does not run the version (the caller knows the arithmetic to give the plain loop's bits).
+pub(super) fn tile_with(version: Version, w: &TileWeights<'_>, a: &[f32], arithmetic: Arithmetic, rows: usize, out: &mut [f32]) -> bool {
     let (e, next, k, scales) = (w.elements, w.next, w.k, w.scales);
     let fits = (1..=FUSED_MAX_ROWS).contains(&rows)
         && k.is_multiple_of(BLOCK)
@@ -104,10 +125,10 @@ pub(super) fn tile_with(version: Version, w: &TileWeights<'_>, a: &[f32], fuse: 
         // SAFETY: the CPU has AVX2, FMA and F16C (`runs_here` above), and the bounds `accumulate`
         // relies on were checked above (`fits`).
         Version::Avx2 => unsafe {
-            if fuse {
-                avx2::accumulate_rows::<true>(rows, e, next, k, scales, a, out)
-            } else {
-                avx2::accumulate_rows::<false>(rows, e, next, k, scales, a, out)
+            match arithmetic {
+                Arithmetic::Plain => avx2::accumulate_rows::<false, false>(rows, e, next, k, scales, a, out),
+                Arithmetic::Fused => avx2::accumulate_rows::<true, false>(rows, e, next, k, scales, a, out),
+                Arithmetic::Unscaled => avx2::accumulate_rows::<true, true>(rows, e, next, k, scales, a, out),
             }
         },
         // SAFETY: the CPU has AVX-512 F/BW/VBMI, AVX2 and F16C (`runs_here` above), and the
@@ -357,7 +378,7 @@ mod avx2 {
     ///
     /// # Safety
     /// As [`accumulate`].
-    pub unsafe fn accumulate_rows<const FUSE: bool>(
+    pub unsafe fn accumulate_rows<const FUSE: bool, const UNSCALED: bool>(
         rows: usize,
         e: &[u8],
         next: &[u8],
@@ -369,24 +390,26 @@ mod avx2 {
         // SAFETY: the caller's.
         unsafe {
             match rows {
-                1 => accumulate::<1, 4, FUSE>(e, next, k, scales, a, out),
-                2 => accumulate::<2, 2, FUSE>(e, next, k, scales, a, out),
-                3 => accumulate::<3, 1, FUSE>(e, next, k, scales, a, out),
-                4 => accumulate::<4, 1, FUSE>(e, next, k, scales, a, out),
-                5 => accumulate::<5, 1, FUSE>(e, next, k, scales, a, out),
-                6 => accumulate::<6, 1, FUSE>(e, next, k, scales, a, out),
-                7 => accumulate::<7, 1, FUSE>(e, next, k, scales, a, out),
-                _ => accumulate::<8, 1, FUSE>(e, next, k, scales, a, out),
+                1 => accumulate::<1, 4, FUSE, UNSCALED>(e, next, k, scales, a, out),
+                2 => accumulate::<2, 2, FUSE, UNSCALED>(e, next, k, scales, a, out),
+                3 => accumulate::<3, 1, FUSE, UNSCALED>(e, next, k, scales, a, out),
+                4 => accumulate::<4, 1, FUSE, UNSCALED>(e, next, k, scales, a, out),
+                5 => accumulate::<5, 1, FUSE, UNSCALED>(e, next, k, scales, a, out),
+                6 => accumulate::<6, 1, FUSE, UNSCALED>(e, next, k, scales, a, out),
+                7 => accumulate::<7, 1, FUSE, UNSCALED>(e, next, k, scales, a, out),
+                _ => accumulate::<8, 1, FUSE, UNSCALED>(e, next, k, scales, a, out),
             }
         }
     }
 
     /// The tile: `e` is `TILE` rows of `k` E4M3 bytes, `scales` block-major (`[k / 32][TILE]`,
     /// every byte at most 246), `G` groups of 8 rows at a time; `FUSE`: each multiply and its
-    /// add as one `vfmadd` (the caller knows every product to be exact). False when a byte of
-    /// the tile is NaN.
+    /// add as one `vfmadd` (the caller knows every product to be exact); `UNSCALED` (with
+    /// `FUSE`): each block's sums kept divided by its `256 * scale` (the caller knows them to
+    /// keep their bits, and every scale byte to be at most 245). False when a byte of the tile
+    /// is NaN.
     #[target_feature(enable = "avx2,f16c,fma")]
-    pub unsafe fn accumulate<const ROWS: usize, const G: usize, const FUSE: bool>(
+    pub unsafe fn accumulate<const ROWS: usize, const G: usize, const FUSE: bool, const UNSCALED: bool>(
         e: &[u8],
         next: &[u8],
         k: usize,
@@ -409,6 +432,7 @@ mod avx2 {
         let high = _mm256_set1_epi8(0x80u8 as i8);
         let half_bits = _mm256_set1_epi16(0xBF80u16 as i16);
         let fold = _mm256_set1_epi32(8);
+        let unfold = _mm256_set1_epi32(246);
         let mut columns: [Columns; G] = std::array::from_fn(|_| Columns([0; GROUP * BLOCK]));
         for row0 in (0..TILE).step_by(G * GROUP) {
             let mut acc = [[_mm256_setzero_ps(); G]; ROWS];
@@ -430,11 +454,22 @@ mod avx2 {
                     }
                     transpose(&r, columns);
                 }
-                // 256 * scale as f32 bits (see the AVX-512 version).
-                let s: [__m256; G] = std::array::from_fn(|g| unsafe {
-                    let bytes = _mm_loadl_epi64(scales.as_ptr().add(kb * TILE + row0 + g * GROUP).cast());
-                    _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtepu8_epi32(bytes), fold)))
-                });
+                // The block's scale bytes, one per row, and 256 * scale as f32 bits (see the
+                // AVX-512 version).
+                let bytes =
+                    |g: usize| unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(scales.as_ptr().add(kb * TILE + row0 + g * GROUP).cast())) };
+                let s: [__m256; G] =
+                    std::array::from_fn(|g| _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(bytes(g), fold))));
+                if UNSCALED {
+                    // The sums divided by 256 * scale = 2^(s - 119): times 2^(119 - s), whose
+                    // exponent field is 246 - s (a normal f32 for s <= 245).
+                    for g in 0..G {
+                        let inverse = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_sub_epi32(unfold, bytes(g))));
+                        for acc in acc.iter_mut() {
+                            acc[g] = _mm256_mul_ps(acc[g], inverse);
+                        }
+                    }
+                }
                 // Two columns at a time (an even column and the next lie side by side): their
                 // 16 bytes widened, shifted and masked at once, then a half each.
                 for c in (0..BLOCK).step_by(2) {
@@ -448,7 +483,7 @@ mod avx2 {
                         // 256 * scale.
                         let w: [__m256; G] = std::array::from_fn(|g| {
                             let halves = if i == 0 { _mm256_castsi256_si128(pair[g]) } else { _mm256_extracti128_si256::<1>(pair[g]) };
-                            _mm256_mul_ps(_mm256_cvtph_ps(halves), s[g])
+                            if UNSCALED { _mm256_cvtph_ps(halves) } else { _mm256_mul_ps(_mm256_cvtph_ps(halves), s[g]) }
                         });
                         for (t, acc) in acc.iter_mut().enumerate() {
                             // SAFETY: t * k + kk < ROWS * k <= a.len().
@@ -456,6 +491,14 @@ mod avx2 {
                             for (acc, w) in acc.iter_mut().zip(&w) {
                                 *acc = if FUSE { _mm256_fmadd_ps(av, *w, *acc) } else { _mm256_add_ps(*acc, _mm256_mul_ps(av, *w)) };
                             }
+                        }
+                    }
+                }
+                if UNSCALED {
+                    // Back to the sums themselves.
+                    for acc in acc.iter_mut() {
+                        for (acc, s) in acc.iter_mut().zip(&s) {
+                            *acc = _mm256_mul_ps(*acc, *s);
                         }
                     }
                 }
@@ -525,7 +568,7 @@ mod tests {
         let w = WeightView { elements: &e, n, k, scales: ScaleView::RowMajor(&s) };
         let versions: Vec<Version> = Version::ALL.into_iter().filter(|v| v.runs_here()).collect();
         let (mut scratch, mut out) = (Vec::new(), vec![0f32; FUSED_MAX_ROWS * TILE]);
-        let mut fused_tiles = 0;
+        let (mut fused_tiles, mut unscaled_tiles) = (0, 0);
         for rows in 1..=FUSED_MAX_ROWS {
             let v: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.37).collect();
             let a = MxMatrix::quantize(&v, k, crate::mxfp8::ScaleRule::Rceil).unwrap();
@@ -535,15 +578,19 @@ mod tests {
             for n0 in (0..n).step_by(TILE) {
                 for &version in &versions {
                     let t = TileWeights::gather(&w, n0, &mut scratch).unwrap();
-                    // Fused multiply-adds only where the products are exact (tile 0 here).
-                    for fuse in [false, true].into_iter().filter(|&f| !f || a_scales.exact_products(t.scale_range())) {
-                        fused_tiles += usize::from(fuse);
-                        assert!(tile_with(version, &t, &a, fuse, rows, &mut out), "{version:?} took no tile at {n0}, {rows} rows");
+                    // Fused multiply-adds only where the products are exact, unscaled sums only
+                    // where they keep their bits (tiles 0 and 2 here, both).
+                    let (fused, unscaled) = (a_scales.exact_products(t.scale_range()), a_scales.exact_unscaled(t.scale_range(), k));
+                    let arithmetics = [(Arithmetic::Plain, true), (Arithmetic::Fused, fused), (Arithmetic::Unscaled, unscaled)];
+                    for arithmetic in arithmetics.into_iter().filter_map(|(a, allowed)| allowed.then_some(a)) {
+                        fused_tiles += usize::from(arithmetic == Arithmetic::Fused);
+                        unscaled_tiles += usize::from(arithmetic == Arithmetic::Unscaled);
+                        assert!(tile_with(version, &t, &a, arithmetic, rows, &mut out), "{version:?} took no tile at {n0}, {rows} rows");
                         for r in 0..rows {
                             assert_eq!(
                                 bits(&out[r * TILE..][..TILE]),
                                 want[r * n + n0..][..TILE],
-                                "{version:?}, fused multiply-adds {fuse}, {rows} rows, tile at {n0}, row {r}"
+                                "{version:?}, {arithmetic:?}, {rows} rows, tile at {n0}, row {r}"
                             );
                         }
                     }
@@ -555,6 +602,7 @@ mod tests {
             2 * FUSED_MAX_ROWS * versions.len(),
             "tiles 0 and 2 fuse, tile 1 (a product could pass f32's range) does not"
         );
+        assert_eq!(unscaled_tiles, 2 * FUSED_MAX_ROWS * versions.len(), "tiles 0 and 2 keep their sums unscaled, tile 1 does not");
     }
 
     fn bits(v: &[f32]) -> Vec<u32> {
@@ -562,25 +610,45 @@ mod tests {
     }
 
     /// One activation row `a` at scale byte `sa` against a tile whose every row is `w` at scale
-    /// byte `sw`, row `j` rotated by `3 j` and its every fifth byte negated: whether the
-    /// products are exact, what the plain loop gives and what the AVX2 version gives with
-    /// fused multiply-adds (None where the CPU has no AVX2).
-    fn fused_at(a: &[u8], sa: u8, w: &[u8], sw: u8) -> (bool, Vec<u32>, Option<Vec<u32>>) {
+    /// bytes `sw` (one per block, in turn), row `j` rotated by `3 j` and its every fifth byte
+    /// negated: whether `arithmetic` is allowed there ([`ScaleRange::exact_products`] or
+    /// [`ScaleRange::exact_unscaled`]), what the plain loop gives and what the AVX2 version
+    /// gives with it (None where the CPU has no AVX2).
+    fn computed_at(arithmetic: Arithmetic, a: &[u8], sa: u8, w: &[u8], sw: &[u8]) -> (bool, Vec<u32>, Option<Vec<u32>>) {
         let k = a.len();
         let e: Vec<u8> = (0..TILE * k).map(|i| w[(i % k + i / k * 3) % k] | u8::from(i % 5 == 4) << 7).collect();
-        let scales = vec![sw; TILE * k / BLOCK];
+        let scales: Vec<u8> = sw.iter().copied().cycle().take(TILE * k / BLOCK).collect();
         let w = WeightView { elements: &e, n: TILE, k, scales: ScaleView::RowMajor(&scales) };
         let a = MxMatrix { elements: a.to_vec(), scales: vec![sa; k / BLOCK], rows: 1, k };
         let want = bits(&crate::gemm::gemm_reference(&a, &w).unwrap());
         let mut scratch = Vec::new();
         let t = TileWeights::gather(&w, 0, &mut scratch).unwrap();
-        let exact = ScaleRange::of_activations(&a).unwrap().exact_products(t.scale_range());
+        let a_scales = ScaleRange::of_activations(&a).unwrap();
+        let allowed = match arithmetic {
+            Arithmetic::Plain => true,
+            Arithmetic::Fused => a_scales.exact_products(t.scale_range()),
+            Arithmetic::Unscaled => a_scales.exact_unscaled(t.scale_range(), k),
+        };
         let mut out = vec![0f32; TILE];
         let got = Version::Avx2.runs_here().then(|| {
-            assert!(tile_with(Version::Avx2, &t, &a.dequantize(), true, 1, &mut out));
+            assert!(tile_with(Version::Avx2, &t, &a.dequantize(), arithmetic, 1, &mut out));
             bits(&out)
         });
-        (exact, want, got)
+        (allowed, want, got)
+    }
+
+    /// [`computed_at`] with fused multiply-adds and one weight scale byte.
+    fn fused_at(a: &[u8], sa: u8, w: &[u8], sw: u8) -> (bool, Vec<u32>, Option<Vec<u32>>) {
+        computed_at(Arithmetic::Fused, a, sa, w, &[sw])
+    }
+
+    /// Every non-NaN E4M3 byte (256 activations) and every magnitude twice (256 weights, each
+    /// also negated in some rows by [`computed_at`]).
+    fn every_byte() -> (Vec<u8>, Vec<u8>) {
+        let every: Vec<u8> = (0..=255u8).filter(|&b| !crate::e4m3::is_nan(b)).chain([0, 0]).collect();
+        let magnitudes: Vec<u8> = (0..0x7F).chain([0]).collect();
+        assert_eq!((every.len(), magnitudes.len()), (256, 128));
+        (every, magnitudes.iter().cycle().take(256).copied().collect())
     }
 
     /// The bounds of [`ScaleRange::exact_products`]: at scale sums of 123 and 364 every
@@ -590,10 +658,7 @@ mod tests {
     #[test]
     fn fused_multiply_adds_give_the_plain_loops_bits_exactly_where_products_are_exact() {
         // Every non-NaN byte as an activation, against every weight byte at some column.
-        let every: Vec<u8> = (0..=255u8).filter(|&b| !crate::e4m3::is_nan(b)).chain([0, 0]).collect();
-        let magnitudes: Vec<u8> = (0..0x7F).chain([0]).collect();
-        assert_eq!((every.len(), magnitudes.len()), (256, 128));
-        let weights: Vec<u8> = magnitudes.iter().cycle().take(256).copied().collect();
+        let (every, weights) = every_byte();
         for (sa, sw) in [(0, 123), (123, 0), (61, 62), (118, 246), (246, 118), (182, 182), (127, 127)] {
             let (exact, want, got) = fused_at(&every, sa, &weights, sw);
             assert!(exact, "scale bytes {sa} + {sw}");
@@ -618,6 +683,51 @@ mod tests {
         // Above 364 a product can pass f32's largest value.
         let (exact, ..) = fused_at(&every, 246, &weights, 119);
         assert!(!exact, "scale bytes 246 + 119");
+    }
+
+    /// The bounds of [`ScaleRange::exact_unscaled`]: at `sa_min + sw_min - sw_max = 4` (one
+    /// weight scale, and scales that differ block by block), at the largest scale byte and sums
+    /// it allows (each bound of the sums met), every E4M3 byte times every other gives the
+    /// plain loop's bits with sums kept divided by `256 * scale`; at 3 a sum `2^-149 + 2^-150`
+    /// rounds (to `2^-148`) once divided where the plain loop's `2^-148 + 2^-149` is exact.
+    #[test]
+    fn unscaled_sums_give_the_plain_loops_bits_exactly_where_they_keep_them() {
+        let (every, weights) = every_byte();
+        let cases: [(u8, &[u8]); 7] = [
+            (4, &[119]),
+            (14, &[110, 120]),
+            (14, &[120, 110, 115, 120]),
+            (127, &[127]),
+            (20, &[245]),
+            (109, &[245, 148]),
+            (200, &[135, 100]),
+        ];
+        for (sa, sw) in cases {
+            let (allowed, want, got) = computed_at(Arithmetic::Unscaled, &every, sa, &weights, sw);
+            assert!(allowed, "scale bytes {sa}, {sw:?}");
+            if let Some(got) = got {
+                assert_eq!(got, want, "scale bytes {sa}, {sw:?}");
+            }
+        }
+        // Activations 2^-133 (scale byte 3), weights 2^-15 and 2^-16 (scale byte 120): the
+        // plain loop's products are 2^-148 and 2^-149, divided by 256 * scale = 2 they are
+        // 2^-149 and 2^-150.
+        let (mut a, mut w) = (vec![0u8; 32], vec![0u8; 32]);
+        a[..2].copy_from_slice(&[0x01, 0x01]);
+        w[..2].copy_from_slice(&[0x02, 0x01]);
+        let (allowed, want, got) = computed_at(Arithmetic::Unscaled, &a, 3, &w, &[120]);
+        assert!(!allowed, "scale bytes 3 and 120");
+        if let Some(got) = got {
+            assert_ne!(got, want, "a divided sum rounds where the plain loop's does not");
+            assert_eq!(computed_at(Arithmetic::Fused, &a, 3, &w, &[120]).2.unwrap(), want, "fused, not unscaled: exact");
+        }
+        let (allowed, want, got) = computed_at(Arithmetic::Unscaled, &a, 4, &w, &[119]);
+        assert!(allowed, "scale bytes 4 and 119");
+        if let Some(got) = got {
+            assert_eq!(got, want, "scale bytes 4 and 119");
+        }
+        // Weights at 246: 1 / (256 * scale) is below f32's normal range.
+        assert!(!computed_at(Arithmetic::Unscaled, &every, 20, &weights, &[246]).0);
     }
 
     /// What the fused path declines, it declines whole: a NaN byte anywhere in the tile, a scale
