@@ -637,9 +637,24 @@ mod tests {
         (allowed, want, got)
     }
 
-    /// [`computed_at`] with fused multiply-adds and one weight scale byte.
-    fn fused_at(a: &[u8], sa: u8, w: &[u8], sw: u8) -> (bool, Vec<u32>, Option<Vec<u32>>) {
-        computed_at(Arithmetic::Fused, a, sa, w, &[sw])
+    /// Asserts that `arithmetic` is allowed at these scale bytes and gives the plain loop's bits
+    /// there (where the CPU has AVX2).
+    fn assert_exact_at(arithmetic: Arithmetic, a: &[u8], sa: u8, w: &[u8], sw: &[u8]) {
+        let (allowed, want, got) = computed_at(arithmetic, a, sa, w, sw);
+        assert!(allowed, "{arithmetic:?} at scale bytes {sa}, {sw:?}");
+        if let Some(got) = got {
+            assert_eq!(got, want, "{arithmetic:?} at scale bytes {sa}, {sw:?}");
+        }
+    }
+
+    /// Asserts that `arithmetic` is not allowed at these scale bytes and would give other bits
+    /// than the plain loop there (where the CPU has AVX2).
+    fn assert_inexact_at(arithmetic: Arithmetic, a: &[u8], sa: u8, w: &[u8], sw: &[u8]) {
+        let (allowed, want, got) = computed_at(arithmetic, a, sa, w, sw);
+        assert!(!allowed, "{arithmetic:?} at scale bytes {sa}, {sw:?}");
+        if let Some(got) = got {
+            assert_ne!(got, want, "{arithmetic:?} at scale bytes {sa}, {sw:?} rounds where the plain loop does not");
+        }
     }
 
     /// Every non-NaN E4M3 byte (256 activations) and every magnitude twice (256 weights, each
@@ -651,6 +666,15 @@ mod tests {
         (every, magnitudes.iter().cycle().take(256).copied().collect())
     }
 
+    /// Two activations at E4M3's least subnormal `2^-9` against weights `2^-8` and `2^-9` (the
+    /// rest zero): two products a factor of two apart at the bottom of the range.
+    fn two_least_products() -> (Vec<u8>, Vec<u8>) {
+        let (mut a, mut w) = (vec![0u8; 32], vec![0u8; 32]);
+        a[..2].copy_from_slice(&[0x01, 0x01]);
+        w[..2].copy_from_slice(&[0x02, 0x01]);
+        (a, w)
+    }
+
     /// The bounds of [`ScaleRange::exact_products`]: at scale sums of 123 and 364 every
     /// E4M3 byte times every other (but NaN) gives the plain loop's bits with fused
     /// multiply-adds; at 122 a product of `2^-150` rounds to 0 on its own, while the fused
@@ -660,36 +684,22 @@ mod tests {
         // Every non-NaN byte as an activation, against every weight byte at some column.
         let (every, weights) = every_byte();
         for (sa, sw) in [(0, 123), (123, 0), (61, 62), (118, 246), (246, 118), (182, 182), (127, 127)] {
-            let (exact, want, got) = fused_at(&every, sa, &weights, sw);
-            assert!(exact, "scale bytes {sa} + {sw}");
-            if let Some(got) = got {
-                assert_eq!(got, want, "scale bytes {sa} + {sw}");
-            }
+            assert_exact_at(Arithmetic::Fused, &every, sa, &weights, &[sw]);
         }
         // At scales summing to 122, 2^-9 * 2^-8 is 2^-149 and 2^-9 * 2^-9 2^-150.
-        let (mut a, mut w) = (vec![0u8; 32], vec![0u8; 32]);
-        a[..2].copy_from_slice(&[0x01, 0x01]);
-        w[..2].copy_from_slice(&[0x02, 0x01]);
-        let (exact, want, got) = fused_at(&a, 61, &w, 61);
-        assert!(!exact, "scale bytes 61 + 61");
-        if let Some(got) = got {
-            assert_ne!(got, want, "a fused multiply-add rounds a sum the plain loop does not");
-        }
-        let (exact, want, got) = fused_at(&a, 61, &w, 62);
-        assert!(exact, "scale bytes 61 + 62");
-        if let Some(got) = got {
-            assert_eq!(got, want, "scale bytes 61 + 62");
-        }
+        let (a, w) = two_least_products();
+        assert_inexact_at(Arithmetic::Fused, &a, 61, &w, &[61]);
+        assert_exact_at(Arithmetic::Fused, &a, 61, &w, &[62]);
         // Above 364 a product can pass f32's largest value.
-        let (exact, ..) = fused_at(&every, 246, &weights, 119);
-        assert!(!exact, "scale bytes 246 + 119");
+        assert!(!computed_at(Arithmetic::Fused, &every, 246, &weights, &[119]).0, "scale bytes 246 + 119");
     }
 
     /// The bounds of [`ScaleRange::exact_unscaled`]: at `sa_min + sw_min - sw_max = 4` (one
     /// weight scale, and scales that differ block by block), at the largest scale byte and sums
     /// it allows (each bound of the sums met), every E4M3 byte times every other gives the
     /// plain loop's bits with sums kept divided by `256 * scale`; at 3 a sum `2^-149 + 2^-150`
-    /// rounds (to `2^-148`) once divided where the plain loop's `2^-148 + 2^-149` is exact.
+    /// rounds (to `2^-148`) once divided where the plain loop's `2^-148 + 2^-149` is exact; and
+    /// far past the bound of the divided sums, they overflow where the plain loop's do not.
     #[test]
     fn unscaled_sums_give_the_plain_loops_bits_exactly_where_they_keep_them() {
         let (every, weights) = every_byte();
@@ -703,31 +713,22 @@ mod tests {
             (200, &[135, 100]),
         ];
         for (sa, sw) in cases {
-            let (allowed, want, got) = computed_at(Arithmetic::Unscaled, &every, sa, &weights, sw);
-            assert!(allowed, "scale bytes {sa}, {sw:?}");
-            if let Some(got) = got {
-                assert_eq!(got, want, "scale bytes {sa}, {sw:?}");
-            }
+            assert_exact_at(Arithmetic::Unscaled, &every, sa, &weights, sw);
         }
         // Activations 2^-133 (scale byte 3), weights 2^-15 and 2^-16 (scale byte 120): the
         // plain loop's products are 2^-148 and 2^-149, divided by 256 * scale = 2 they are
         // 2^-149 and 2^-150.
-        let (mut a, mut w) = (vec![0u8; 32], vec![0u8; 32]);
-        a[..2].copy_from_slice(&[0x01, 0x01]);
-        w[..2].copy_from_slice(&[0x02, 0x01]);
-        let (allowed, want, got) = computed_at(Arithmetic::Unscaled, &a, 3, &w, &[120]);
-        assert!(!allowed, "scale bytes 3 and 120");
-        if let Some(got) = got {
-            assert_ne!(got, want, "a divided sum rounds where the plain loop's does not");
-            assert_eq!(computed_at(Arithmetic::Fused, &a, 3, &w, &[120]).2.unwrap(), want, "fused, not unscaled: exact");
-        }
-        let (allowed, want, got) = computed_at(Arithmetic::Unscaled, &a, 4, &w, &[119]);
-        assert!(allowed, "scale bytes 4 and 119");
-        if let Some(got) = got {
-            assert_eq!(got, want, "scale bytes 4 and 119");
-        }
+        let (a, w) = two_least_products();
+        assert_inexact_at(Arithmetic::Unscaled, &a, 3, &w, &[120]);
+        assert_exact_at(Arithmetic::Fused, &a, 3, &w, &[120]);
+        assert_exact_at(Arithmetic::Unscaled, &a, 4, &w, &[119]);
         // Weights at 246: 1 / (256 * scale) is below f32's normal range.
         assert!(!computed_at(Arithmetic::Unscaled, &every, 20, &weights, &[246]).0);
+        // The largest activations (448 * 2^119) against the least scale of weights (2^-127):
+        // products of 2^9.6, but 2^128.6 once divided by 256 * scale = 2^-119, past f32.
+        let largest = vec![0x7Eu8; 256];
+        assert_inexact_at(Arithmetic::Unscaled, &largest, 246, &largest, &[0]);
+        assert_exact_at(Arithmetic::Fused, &largest, 246, &largest, &[0]);
     }
 
     /// What the fused path declines, it declines whole: a NaN byte anywhere in the tile, a scale
