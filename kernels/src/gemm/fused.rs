@@ -392,6 +392,12 @@ mod avx2 {
             match rows {
                 1 => accumulate::<1, 4, FUSE, UNSCALED>(e, next, k, scales, a, out),
                 2 => accumulate::<2, 2, FUSE, UNSCALED>(e, next, k, scales, a, out),
+                // Unscaled, no scale stays in a register through a block's columns: room for
+                // the sums of two groups at T = 3 and 4 (`bench-gemm`, the AVX2 VM, 5
+                // interleaved runs each, medians: T = 3 7.0-9.0 -> 8.0-11.1 GB/s, T = 4
+                // 6.7-8.9 -> 6.9-10.2).
+                3 if UNSCALED => accumulate::<3, 2, FUSE, UNSCALED>(e, next, k, scales, a, out),
+                4 if UNSCALED => accumulate::<4, 2, FUSE, UNSCALED>(e, next, k, scales, a, out),
                 3 => accumulate::<3, 1, FUSE, UNSCALED>(e, next, k, scales, a, out),
                 4 => accumulate::<4, 1, FUSE, UNSCALED>(e, next, k, scales, a, out),
                 5 => accumulate::<5, 1, FUSE, UNSCALED>(e, next, k, scales, a, out),
