@@ -393,11 +393,13 @@ mod avx2 {
                 1 => accumulate::<1, 4, FUSE, UNSCALED>(e, next, k, scales, a, out),
                 2 => accumulate::<2, 2, FUSE, UNSCALED>(e, next, k, scales, a, out),
                 // Unscaled, no scale stays in a register through a block's columns: room for
-                // the sums of two groups at T = 3 and 4 (`bench-gemm`, the AVX2 VM, 5
+                // the sums of two groups at T = 3 to 5 (`bench-gemm`, the AVX2 VM, 5 or 6
                 // interleaved runs each, medians: T = 3 7.0-9.0 -> 8.0-11.1 GB/s, T = 4
-                // 6.7-8.9 -> 6.9-10.2).
+                // 6.7-8.9 -> 6.9-10.2, T = 5 5.3-7.7 -> 7.5-9.1; at T = 2, four groups
+                // instead of two gained nothing).
                 3 if UNSCALED => accumulate::<3, 2, FUSE, UNSCALED>(e, next, k, scales, a, out),
                 4 if UNSCALED => accumulate::<4, 2, FUSE, UNSCALED>(e, next, k, scales, a, out),
+                5 if UNSCALED => accumulate::<5, 2, FUSE, UNSCALED>(e, next, k, scales, a, out),
                 3 => accumulate::<3, 1, FUSE, UNSCALED>(e, next, k, scales, a, out),
                 4 => accumulate::<4, 1, FUSE, UNSCALED>(e, next, k, scales, a, out),
                 5 => accumulate::<5, 1, FUSE, UNSCALED>(e, next, k, scales, a, out),
