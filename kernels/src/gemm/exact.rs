@@ -19,7 +19,8 @@
 //! nowhere (and, having at most 23 significant bits, is exact on the other side too). So from
 //! `sa_min + sw_min - sw_max >= 4` (`q / D >= 2^-149` for the largest `D`) nothing rounds in the
 //! subnormal range on either side. A partial sum of `k` products stays below
-//! `2k * 2^(sa_max + sw_max - 236)` (each rounding adds at most `2^-24` of it), and below that
+//! `2k * 2^(sa_max + sw_max - 236)` (each rounding adds at most `2^-24` of it, and
+//! `(1 + 2^-24)^k <= 2` for `k` up to `2^23`), and below that
 //! over `D`: finite on both sides up to `sa_max + sw_max + log2(2k) <= 363` and
 //! `sa_max + sw_max - sw_min + log2(2k) <= 244`. `1 / D` must be a normal f32 for the kernel to
 //! build it from its exponent: scale bytes up to 245.
@@ -38,6 +39,8 @@ const MAX_FINITE_SCALE: u8 = 246;
 const MIN_UNSCALED_QUANTUM: i32 = 4;
 /// The largest weight scale byte whose `1 / (256 * scale)` is a normal f32 (`2^-126`).
 const MAX_UNSCALED_SCALE: u8 = 245;
+/// The deepest GEMM whose roundings grow a sum by at most 2x (`(1 + 2^-24)^k <= 2`).
+const MAX_UNSCALED_DEPTH: usize = 1 << 23;
 
 /// The least and largest of a matrix's scale bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,6 +90,7 @@ impl ScaleRange {
         // log2(2k), rounded up.
         let k_bits = (2 * k.max(1)).next_power_of_two().trailing_zeros() as i32;
         self.exact_products(w)
+            && k <= MAX_UNSCALED_DEPTH
             && w.max <= MAX_UNSCALED_SCALE
             && a_min + w_min - w_max >= MIN_UNSCALED_QUANTUM
             && a_max + w_max + k_bits <= 363
@@ -149,5 +153,8 @@ mod tests {
         // 1 / (256 * scale) normal: weight scale bytes up to 245.
         assert!(r(20, 20).exact_unscaled(r(245, 245), 256));
         assert!(!r(20, 20).exact_unscaled(r(246, 246), 256));
+        // Roundings grow a sum by at most 2x: depths up to 2^23.
+        assert!(r(127, 127).exact_unscaled(r(127, 127), 1 << 23));
+        assert!(!r(127, 127).exact_unscaled(r(127, 127), (1 << 23) + 1));
     }
 }

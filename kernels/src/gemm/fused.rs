@@ -488,7 +488,7 @@ mod avx2 {
                     });
                     for (i, kk) in [(0, kb * BLOCK + c), (1, kb * BLOCK + c + 1)] {
                         // The E4M3 bytes as halves of value / 256 (see `tile`'s x86 decode), times
-                        // 256 * scale.
+                        // 256 * scale (unscaled, not: the sums are divided by it).
                         let w: [__m256; G] = std::array::from_fn(|g| {
                             let halves = if i == 0 { _mm256_castsi256_si128(pair[g]) } else { _mm256_extracti128_si256::<1>(pair[g]) };
                             if UNSCALED { _mm256_cvtph_ps(halves) } else { _mm256_mul_ps(_mm256_cvtph_ps(halves), s[g]) }
