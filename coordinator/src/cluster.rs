@@ -448,7 +448,7 @@ impl Cluster {
                     vec![(w.id, RankError::Connect { rank: w.label(), address: Some(reg.address.clone()), message: e.to_string() })]
                 })?
             };
-            w.client = Some(WorkerClient::new(channel).max_decoding_message_size(64 << 20));
+            w.client = Some(WorkerClient::new(channel).max_decoding_message_size(orchestrator_proto::limits::MAX_RESPONSE_BYTES));
         }
         Ok(())
     }

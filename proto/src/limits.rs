@@ -23,8 +23,17 @@ pub const HEALTH_INTERVAL: Duration = Duration::from_millis(250);
 pub const REINSTATE_TIMEOUT: Duration = Duration::from_secs(30);
 /// The least time between two attempts to bring a replica back into rotation.
 pub const REINSTATE_BACKOFF: Duration = Duration::from_secs(1);
-/// The largest gRPC message either side decodes.
+/// The largest gRPC request a server decodes.
 pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
+/// The largest gRPC response a client decodes (a worker's rank report, the coordinator's
+/// cluster report of every rank as JSON and text).
+pub const MAX_RESPONSE_BYTES: usize = 64 << 20;
+/// The deadline of an `Update` call: it answers once, when the whole rolling update has ended.
+pub const UPDATE_DEADLINE: Duration = Duration::from_secs(3600);
+/// The deadline of a `Report` call that runs the cluster's probes again.
+pub const REPORT_DEADLINE: Duration = Duration::from_secs(1800);
+/// The deadline of a `Shutdown` call (it answers as soon as the shutdown is under way).
+pub const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(10);
 /// The largest path a request may name (Linux's PATH_MAX).
 pub const MAX_PATH_BYTES: usize = 4096;
 /// How long a coordinator waits for every rank to register (`--join-timeout`), and how long a

@@ -328,7 +328,7 @@ async fn roll_under_load(
         let mut c = client.clone();
         let req = orchestrator_net::auth::request(
             pb::UpdateRequest { checkpoint_dir: to.display().to_string(), max_unavailable: 1, max_staging: 0 },
-            Duration::from_secs(3600),
+            orchestrator_proto::limits::UPDATE_DEADLINE,
             Some(token),
         );
         let r = c.update(req).await;
@@ -478,7 +478,8 @@ pub fn bench_update(a: BenchUpdateArgs) -> anyhow::Result<bool> {
     let result = runtime.block_on(async {
         let token = orchestrator_net::auth::Token::read(&cluster.token)?;
         let channel = orchestrator_net::tls::connect(&cluster.url, None).await?;
-        let client = pb::coordinator_client::CoordinatorClient::new(channel).max_decoding_message_size(64 << 20);
+        let client = pb::coordinator_client::CoordinatorClient::new(channel)
+            .max_decoding_message_size(orchestrator_proto::limits::MAX_RESPONSE_BYTES);
         // The load time of this fresh launch, from its own report.
         let report = {
             let mut c = client.clone();

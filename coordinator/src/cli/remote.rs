@@ -38,14 +38,15 @@ pub fn remote_cmd(a: RemoteArgs, shutdown: bool) -> anyhow::Result<bool> {
     runtime.block_on(async {
         let (mut client, token) = coordinator_client(&a).await?;
         if shutdown {
-            let req = orchestrator_net::auth::request(pb::ShutdownRequest {}, std::time::Duration::from_secs(10), token.as_ref());
+            let req =
+                orchestrator_net::auth::request(pb::ShutdownRequest {}, orchestrator_proto::limits::SHUTDOWN_DEADLINE, token.as_ref());
             client.shutdown(req).await.map_err(|s| anyhow::anyhow!("shutdown: {}", describe_first_call(&s, &a.coordinator)))?;
             emit("shutdown requested\n");
             return Ok(true);
         }
         let req = orchestrator_net::auth::request(
             pb::ClusterReportRequest { probe: !a.no_probe },
-            std::time::Duration::from_secs(1800),
+            orchestrator_proto::limits::REPORT_DEADLINE,
             token.as_ref(),
         );
         let r = client.report(req).await.map_err(|s| anyhow::anyhow!("report: {}", describe_first_call(&s, &a.coordinator)))?.into_inner();
@@ -63,5 +64,9 @@ pub async fn coordinator_client(
 )> {
     let token = a.token_file.as_deref().map(orchestrator_net::auth::Token::read).transpose()?;
     let channel = remote_channel(a).await?;
-    Ok((orchestrator_proto::v1::coordinator_client::CoordinatorClient::new(channel).max_decoding_message_size(64 << 20), token))
+    Ok((
+        orchestrator_proto::v1::coordinator_client::CoordinatorClient::new(channel)
+            .max_decoding_message_size(orchestrator_proto::limits::MAX_RESPONSE_BYTES),
+        token,
+    ))
 }

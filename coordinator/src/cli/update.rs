@@ -42,7 +42,7 @@ pub fn update_cmd(a: UpdateArgs) -> anyhow::Result<bool> {
                 max_unavailable: a.max_unavailable,
                 max_staging: a.max_staging.unwrap_or(0),
             },
-            std::time::Duration::from_secs(3600),
+            orchestrator_proto::limits::UPDATE_DEADLINE,
             token.as_ref(),
         );
         // A terminal sees the update run (it answers once, at its end); logs and pipes do not.
