@@ -25,12 +25,6 @@ pub struct RemoteArgs {
     pub tls_dir: Option<PathBuf>,
 }
 
-/// A channel to the coordinator `a` names (over TLS for `https://`).
-pub async fn remote_channel(a: &RemoteArgs) -> anyhow::Result<tonic::transport::Channel> {
-    let tls = a.tls_dir.as_deref().map(orchestrator_net::tls::TlsFiles::load_client).transpose()?;
-    Ok(orchestrator_net::tls::connect(&a.coordinator, tls.as_ref()).await?)
-}
-
 /// `report` (`shutdown` false) or `shutdown`: true when the report agrees or the shutdown was asked.
 pub fn remote_cmd(a: RemoteArgs, shutdown: bool) -> anyhow::Result<bool> {
     use orchestrator_proto::v1 as pb;
@@ -55,7 +49,7 @@ pub fn remote_cmd(a: RemoteArgs, shutdown: bool) -> anyhow::Result<bool> {
     })
 }
 
-/// A client of the coordinator `a` names, and the token its calls carry.
+/// A client of the coordinator `a` names (over TLS for `https://`), and the token its calls carry.
 pub async fn coordinator_client(
     a: &RemoteArgs,
 ) -> anyhow::Result<(
@@ -63,7 +57,8 @@ pub async fn coordinator_client(
     Option<orchestrator_net::auth::Token>,
 )> {
     let token = a.token_file.as_deref().map(orchestrator_net::auth::Token::read).transpose()?;
-    let channel = remote_channel(a).await?;
+    let tls = a.tls_dir.as_deref().map(orchestrator_net::tls::TlsFiles::load_client).transpose()?;
+    let channel = orchestrator_net::tls::connect(&a.coordinator, tls.as_ref()).await?;
     Ok((
         orchestrator_proto::v1::coordinator_client::CoordinatorClient::new(channel)
             .max_decoding_message_size(orchestrator_proto::limits::MAX_RESPONSE_BYTES),
