@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use orchestrator_net::auth::Token;
 use orchestrator_net::tls::TlsFiles;
+use orchestrator_ops::process::ProcessIdentity;
 use orchestrator_proto::limits;
 use orchestrator_proto::v1 as pb;
 use orchestrator_proto::v1::worker_client::WorkerClient;
-use orchestrator_worker::process::ProcessIdentity;
 use tokio::process::{Child, Command};
 use tonic::transport::Channel;
 
@@ -248,7 +248,7 @@ impl Cluster {
                 .args(allow_roots.iter().flat_map(|r| [std::ffi::OsStr::new("--allow-root"), r.as_os_str()]))
                 .args(["--coordinator-grace", &grace.as_secs_f64().to_string()])
                 .args(tls.iter().flat_map(|t| [std::ffi::OsStr::new("--tls-dir"), t.dir.as_os_str()]))
-                .env(orchestrator_worker::logging::LOG_FORMAT_ENV, orchestrator_worker::logging::current().name())
+                .env(orchestrator_ops::logging::LOG_FORMAT_ENV, orchestrator_ops::logging::current().name())
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit())
@@ -545,7 +545,7 @@ impl Cluster {
     /// a line per finished rank otherwise, an event per finished rank with `--log-format
     /// json`); load seconds by worker.
     pub async fn load(&self) -> RankResults<f64> {
-        use orchestrator_worker::logging::{LogFormat, current};
+        use orchestrator_ops::logging::{LogFormat, current};
         let json = current() == LogFormat::Json;
         let bars = (!json && std::io::stderr().is_terminal()).then(|| {
             let multi = indicatif::MultiProgress::new();

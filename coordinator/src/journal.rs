@@ -118,8 +118,8 @@ pub struct WorkerRecord {
 
 impl WorkerRecord {
     /// The worker's process identity as recorded.
-    pub fn identity(&self) -> orchestrator_worker::process::ProcessIdentity {
-        orchestrator_worker::process::ProcessIdentity {
+    pub fn identity(&self) -> orchestrator_ops::process::ProcessIdentity {
+        orchestrator_ops::process::ProcessIdentity {
             pid: self.pid,
             start_ticks: self.start_ticks,
             boot_id: self.boot_id.clone(),

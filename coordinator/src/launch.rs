@@ -161,7 +161,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     let address = endpoint.address;
     if let Some(h) = plan.health_listen {
         let at = endpoint.health.serve_plaintext(h).await?;
-        orchestrator_worker::status!(; "health (plaintext, grpc.health.v1 only) on {at}");
+        orchestrator_ops::status!(; "health (plaintext, grpc.health.v1 only) on {at}");
     }
     if let Some(m) = plan.metrics_listen {
         let slot = endpoint.session.clone();
@@ -169,12 +169,12 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
             let session = slot.read().unwrap_or_else(|p| p.into_inner()).clone();
             crate::metrics::metrics().render(session.as_deref())
         });
-        let at = orchestrator_worker::metrics::serve(m, render).await.map_err(|e| anyhow::anyhow!("--metrics-listen {m}: {e}"))?;
-        orchestrator_worker::status!(; "metrics on http://{at}/metrics");
+        let at = orchestrator_ops::metrics::serve(m, render).await.map_err(|e| anyhow::anyhow!("--metrics-listen {m}: {e}"))?;
+        orchestrator_ops::status!(; "metrics on http://{at}/metrics");
     }
     let (mut cluster, join_deadline) = match plan.workers {
         Workers::Local { device, grace } => {
-            orchestrator_worker::status!(; "coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);
+            orchestrator_ops::status!(; "coordinator listening on {address}; starting {} workers (TP {} x DP {})", plan.tp * plan.dp, plan.tp, plan.dp);
             let cluster = Cluster::spawn(
                 device,
                 plan.tp,
@@ -190,7 +190,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
             (cluster, Duration::from_secs(30))
         }
         Workers::Join { timeout } => {
-            orchestrator_worker::status!(;
+            orchestrator_ops::status!(;
                 "coordinator listening on {address} ({}); waiting up to {} s for {} workers to register (TP {} x DP {})",
                 endpoint.public_url,
                 timeout.as_secs(),
@@ -207,7 +207,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         if matches!(plan.workers, Workers::Join { .. }) {
             let hosts: Vec<String> =
                 cluster.registry.by_host(plan.tp * plan.dp).into_iter().map(|(h, r)| format!("{h} (ranks {r:?})")).collect();
-            orchestrator_worker::status!(; "every rank registered: {}", hosts.join(", "));
+            orchestrator_ops::status!(; "every rank registered: {}", hosts.join(", "));
         }
         cluster.assign(&plan.source, plan.scale_rule.name(), plan.fault, plan.dump_dir.as_deref(), plan.keep_staging_buffers).await
     };

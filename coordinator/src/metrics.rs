@@ -9,7 +9,7 @@
 
 use std::sync::OnceLock;
 
-use orchestrator_worker::metrics::{FloatGauge, encode, seconds_histogram};
+use orchestrator_ops::metrics::{FloatGauge, encode, seconds_histogram};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;

@@ -9,9 +9,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use orchestrator_ops::process::ProcessIdentity;
 use orchestrator_proto::limits;
 use orchestrator_proto::v1 as pb;
-use orchestrator_worker::process::ProcessIdentity;
 
 /// What a worker told the coordinator when it registered, and when it was last heard from.
 #[derive(Clone, Debug)]

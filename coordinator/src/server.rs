@@ -82,7 +82,7 @@ impl Endpoint {
         // The session first, then the line that tells users (and scripts) to call: a call made
         // as soon as it is printed finds the cluster serving.
         *self.session.write().unwrap_or_else(|p| p.into_inner()) = Some(session);
-        orchestrator_worker::status!(; "serving: `orchestrator report {auth}` re-runs the checks; `orchestrator shutdown {auth}` stops");
+        orchestrator_ops::status!(; "serving: `orchestrator report {auth}` re-runs the checks; `orchestrator shutdown {auth}` stops");
         tokio::select! {
             _ = self.shutdown.notified() => {}
             _ = signal => {}

@@ -279,7 +279,7 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_net::grpc::
                         rotation.pull(dp, &why);
                     }
                     tracing::warn!(dp, "replica out of rotation: {why}");
-                    orchestrator_worker::status!(replica = dp; "replica dp{dp}: out of rotation: {why}");
+                    orchestrator_ops::status!(replica = dp; "replica dp{dp}: out of rotation: {why}");
                 }
                 HealthAction::StayOut => {
                     if !st.dead {
@@ -299,7 +299,7 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_net::grpc::
                                 }
                                 rotation.set_pending_commit(dp, None);
                                 rotation.observed_version(dp, &version);
-                                orchestrator_worker::status!(replica = dp, version = version.as_str(); "replica dp{dp}: every rank confirmed the decided commit to {version}");
+                                orchestrator_ops::status!(replica = dp, version = version.as_str(); "replica dp{dp}: every rank confirmed the decided commit to {version}");
                             }
                             other => {
                                 tracing::info!(dp, "pending commit to {version} not finished yet: {other:?}");
@@ -310,7 +310,7 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_net::grpc::
                     let attempt = try_reinstate(cluster, rotation, dp, session.update_probe(), Proof::Verified, false);
                     match tokio::time::timeout(limits::REINSTATE_TIMEOUT, attempt).await {
                         Ok(Ok(v)) => {
-                            orchestrator_worker::status!(replica = dp, version = v.as_str(); "replica dp{dp}: back in rotation on {v} after a passing probe")
+                            orchestrator_ops::status!(replica = dp, version = v.as_str(); "replica dp{dp}: back in rotation on {v} after a passing probe")
                         }
                         Ok(Err(why)) => tracing::info!(dp, "replica stays out of rotation: {why}"),
                         Err(_) => tracing::warn!(dp, "replica stays out of rotation: its probe took over {:?}", limits::REINSTATE_TIMEOUT),

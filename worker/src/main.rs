@@ -6,9 +6,9 @@ use std::process::ExitCode;
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use orchestrator_kernels::{Backend, CpuBackend, ScaleRule};
+use orchestrator_ops::output::emit;
 use orchestrator_worker::bench::{self, BenchOptions};
 use orchestrator_worker::cli::DummyArgs;
-use orchestrator_worker::output::emit;
 use orchestrator_worker::{LoadSource, RankReport, load_and_report};
 
 /// Large buffers in huge pages (see the module): a fresh worker faults its weights in 2 MiB at a time.
@@ -22,7 +22,7 @@ struct Cli {
     command: Command,
     /// Log events (stderr, filtered by RUST_LOG) as text or as JSON, one event per line.
     #[arg(long, global = true, value_enum, default_value_t, env = "ORCHESTRATOR_LOG_FORMAT")]
-    log_format: orchestrator_worker::logging::LogFormat,
+    log_format: orchestrator_ops::logging::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -217,7 +217,7 @@ fn main() -> ExitCode {
     // A refusal keeps glibc's defaults (correct, only slower).
     let _ = orchestrator_worker::alloc::tune_system_allocator();
     let cli = Cli::parse();
-    orchestrator_worker::logging::init(cli.log_format);
+    orchestrator_ops::logging::init(cli.log_format);
     let result = match cli.command {
         Command::Load(args) => load(args),
         Command::Serve(args) => args.run().map(|()| true),
@@ -251,5 +251,5 @@ fn main() -> ExitCode {
             Ok(true)
         })(),
     };
-    orchestrator_worker::output::exit_code(result)
+    orchestrator_ops::output::exit_code(result)
 }

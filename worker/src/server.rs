@@ -1218,7 +1218,7 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         tracing::info!(%at, "health (plaintext) listening");
     }
     if let Some(m) = metrics_listen {
-        let at = crate::metrics::serve(m, Arc::new(|| crate::metrics::worker().render()))
+        let at = orchestrator_ops::metrics::serve(m, Arc::new(|| crate::metrics::worker().render()))
             .await
             .map_err(|e| anyhow::anyhow!("--metrics-listen {m}: {e}"))?;
         tracing::info!(%at, "metrics listening at /metrics");
@@ -1234,7 +1234,7 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
 
     let mut registered = None;
     if let Some(coord) = coordinator.clone() {
-        let me = crate::process::ProcessIdentity::of_self();
+        let me = orchestrator_ops::process::ProcessIdentity::of_self();
         let registration = pb::RegisterRequest {
             worker_id,
             address: advertised,

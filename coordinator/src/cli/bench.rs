@@ -15,8 +15,8 @@ use anyhow::Context;
 use clap::Args;
 use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
 use orchestrator_model::{ModelConfig, Preset};
+use orchestrator_ops::output::emit;
 use orchestrator_proto::v1 as pb;
-use orchestrator_worker::output::emit;
 use orchestrator_worker::probe::ProbeSpec;
 use serde::Serialize;
 

@@ -7,7 +7,7 @@ use clap::{Args, ValueEnum};
 use orchestrator_model::inspect::inspect;
 use orchestrator_model::synth::{DEFAULT_MAX_SHARD_BYTES, SynthOptions, write_checkpoint};
 use orchestrator_model::{Checkpoint, ModelConfig, Preset};
-use orchestrator_worker::output::emit;
+use orchestrator_ops::output::emit;
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum Dtype {

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use orchestrator_net::tls::describe_status;
-use orchestrator_worker::output::emit;
+use orchestrator_ops::output::emit;
 
 #[derive(Args)]
 pub struct HealthArgs {

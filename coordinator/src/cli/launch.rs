@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use orchestrator_ops::output::emit;
 use orchestrator_proto::v1 as pb;
-use orchestrator_worker::output::emit;
 
 use crate::journal;
 use crate::launch::{self, Workers};

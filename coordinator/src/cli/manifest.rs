@@ -6,9 +6,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
+use orchestrator_ops::output::emit;
 use orchestrator_worker::LoadSource;
 use orchestrator_worker::manifest::{Manifest, build, verify_dump};
-use orchestrator_worker::output::emit;
 
 #[derive(Args)]
 pub struct ManifestArgs {

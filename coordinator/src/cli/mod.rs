@@ -29,7 +29,7 @@ pub struct Cli {
     pub command: Command,
     /// Log events (stderr, filtered by RUST_LOG) as text or as JSON, one event per line.
     #[arg(long, global = true, value_enum, default_value_t, env = "ORCHESTRATOR_LOG_FORMAT")]
-    pub log_format: orchestrator_worker::logging::LogFormat,
+    pub log_format: orchestrator_ops::logging::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -103,7 +103,7 @@ pub enum CheckpointCommand {
 /// exit code (0 only when it succeeded and every check it ran agreed).
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    orchestrator_worker::logging::init(cli.log_format);
+    orchestrator_ops::logging::init(cli.log_format);
     let result = match cli.command {
         Command::Launch(a) => launch::launch_cmd(a),
         Command::Coordinator(a) => launch::coordinator_cmd(a),
@@ -122,5 +122,5 @@ pub fn main() -> ExitCode {
         Command::VerifyDump(a) => manifest::verify_dump_cmd(a),
         Command::Schema(a) => schema::schema_cmd(a),
     };
-    orchestrator_worker::output::exit_code(result)
+    orchestrator_ops::output::exit_code(result)
 }

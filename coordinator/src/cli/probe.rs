@@ -1,7 +1,7 @@
 //! `probe`: a bounded probe load through a served cluster's rotation, with its percentiles.
 
 use clap::Args;
-use orchestrator_worker::output::emit;
+use orchestrator_ops::output::emit;
 
 use super::remote::{RemoteArgs, coordinator_client};
 

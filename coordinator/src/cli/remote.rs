@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use orchestrator_net::tls::describe_first_call;
-use orchestrator_worker::output::emit;
+use orchestrator_ops::output::emit;
 
 #[derive(Args)]
 pub struct RemoteArgs {

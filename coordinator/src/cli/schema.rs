@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use orchestrator_worker::output::emit;
+use orchestrator_ops::output::emit;
 
 use crate::schemas;
 

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Subcommand;
-use orchestrator_worker::output::emit;
+use orchestrator_ops::output::emit;
 
 #[derive(Subcommand)]
 pub enum TlsCommand {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use orchestrator_net::tls::{describe_first_call, describe_status};
-use orchestrator_worker::output::emit;
+use orchestrator_ops::output::emit;
 
 use super::remote::{RemoteArgs, coordinator_client};
 
@@ -47,7 +47,7 @@ pub fn update_cmd(a: UpdateArgs) -> anyhow::Result<bool> {
         );
         // A terminal sees the update run (it answers once, at its end); logs and pipes do not.
         let spinner = (std::io::IsTerminal::is_terminal(&std::io::stderr())
-            && orchestrator_worker::logging::current() == orchestrator_worker::logging::LogFormat::Text)
+            && orchestrator_ops::logging::current() == orchestrator_ops::logging::LogFormat::Text)
             .then(|| {
                 let s = indicatif::ProgressBar::new_spinner().with_message(format!("rolling {} out, one replica at a time", dir.display()));
                 s.set_style(
