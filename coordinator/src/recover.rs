@@ -42,7 +42,7 @@ fn open_source(s: &SourceRecord) -> anyhow::Result<orchestrator_worker::LoadSour
         SourceRecord::Checkpoint { dir } => AllowedRoots::for_checkpoint(dir)?,
         SourceRecord::Dummy { .. } => Default::default(),
     };
-    orchestrator_worker::server::source_from(Some(&s.to_pb()), &roots).map_err(|e| anyhow::anyhow!("the journal's source: {}", e.message()))
+    orchestrator_worker::LoadSource::from_pb(Some(&s.to_pb()), &roots).map_err(|e| anyhow::anyhow!("the journal's source: {e}"))
 }
 
 /// What the adopted ranks hold.

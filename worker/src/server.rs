@@ -9,10 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use orchestrator_kernels::{Backend, Digest, ScaleRule};
-use orchestrator_model::{Generator, ModelConfig};
+use orchestrator_proto::v1 as pb;
 use orchestrator_proto::v1::coordinator_client::CoordinatorClient;
 use orchestrator_proto::v1::worker_server::{Worker, WorkerServer};
-use orchestrator_proto::v1::{self as pb, load_source::Kind};
 use tokio::sync::{Notify, mpsc};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -297,30 +296,10 @@ fn host_name() -> String {
     crate::placement::host_name(&|k| std::env::var(k).ok())
 }
 
-/// Builds the load source a request names; a checkpoint directory, and every file it is read
-/// from (config, index, each shard, symlinks resolved), must lie under `roots`.
-pub fn source_from(pb_source: Option<&pb::LoadSource>, roots: &AllowedRoots) -> Result<LoadSource, Status> {
-    match pb_source.and_then(|s| s.kind.as_ref()) {
-        Some(Kind::CheckpointDir(dir)) => {
-            let claim = pb_source
-                .and_then(|s| s.content.as_ref())
-                .map(crate::source::claim_from_pb)
-                .transpose()
-                .map_err(Status::invalid_argument)?;
-            LoadSource::open_checkpoint_claimed(std::path::Path::new(dir), roots, claim.as_ref()).map_err(|e| match e {
-                orchestrator_model::ModelError::Roots(e) => Status::permission_denied(e.to_string()),
-                e => Status::invalid_argument(format!("source: {e}")),
-            })
-        }
-        Some(Kind::Dummy(d)) => {
-            let preset = d.preset.parse().map_err(|e| Status::invalid_argument(format!("source.dummy.preset: {e}")))?;
-            let layers = (d.layers > 0).then_some(d.layers as usize);
-            let config =
-                ModelConfig::from_preset(preset, layers, d.bf16).map_err(|e| Status::invalid_argument(format!("source.dummy: {e}")))?;
-            Ok(LoadSource::Dummy { config, generator: Generator::new(d.seed) })
-        }
-        None => Err(Status::invalid_argument("source: missing (checkpoint_dir or dummy)")),
-    }
+/// Builds the load source a request names ([`LoadSource::from_pb`]) as the gRPC status a
+/// caller gets when it names nothing this worker may load.
+fn source_from(pb_source: Option<&pb::LoadSource>, roots: &AllowedRoots) -> Result<LoadSource, Status> {
+    Ok(LoadSource::from_pb(pb_source, roots)?)
 }
 
 /// Takes a set of weights out of the state (`take`) and keeps it as the next stage's buffers when
@@ -1376,7 +1355,9 @@ pub fn run(config: ServeConfig) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use orchestrator_model::ModelConfig;
     use orchestrator_model::synth::{SynthOptions, write_checkpoint};
+    use orchestrator_proto::v1::load_source::Kind;
 
     #[test]
     fn checkpoints_outside_the_allowed_roots_are_refused() {

@@ -140,6 +140,59 @@ impl Fetched {
     }
 }
 
+/// Why a request's `LoadSource` names nothing this worker may load. Its text is what the
+/// caller sees (the gRPC status message, a recovery's error).
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("source: missing (checkpoint_dir or dummy)")]
+    Missing,
+    /// The content claim is malformed: the field that is wrong.
+    #[error("{0}")]
+    Claim(String),
+    /// A file of the checkpoint lies outside the allowed roots.
+    #[error("{0}")]
+    Roots(orchestrator_model::RootsError),
+    #[error("source: {0}")]
+    Checkpoint(ModelError),
+    #[error("source.dummy.preset: {0}")]
+    Preset(ModelError),
+    #[error("source.dummy: {0}")]
+    Dummy(ModelError),
+}
+
+impl From<SourceError> for tonic::Status {
+    fn from(e: SourceError) -> Self {
+        match e {
+            SourceError::Roots(_) => tonic::Status::permission_denied(e.to_string()),
+            _ => tonic::Status::invalid_argument(e.to_string()),
+        }
+    }
+}
+
+impl LoadSource {
+    /// The load source a request names; a checkpoint directory, and every file it is read from
+    /// (config, index, each shard, symlinks resolved), must lie under `roots`.
+    pub fn from_pb(source: Option<&pb::LoadSource>, roots: &AllowedRoots) -> Result<Self, SourceError> {
+        use pb::load_source::Kind;
+        match source.and_then(|s| s.kind.as_ref()) {
+            Some(Kind::CheckpointDir(dir)) => {
+                let claim = source.and_then(|s| s.content.as_ref()).map(claim_from_pb).transpose().map_err(SourceError::Claim)?;
+                Self::open_checkpoint_claimed(Path::new(dir), roots, claim.as_ref()).map_err(|e| match e {
+                    ModelError::Roots(e) => SourceError::Roots(e),
+                    e => SourceError::Checkpoint(e),
+                })
+            }
+            Some(Kind::Dummy(d)) => {
+                let preset = d.preset.parse().map_err(SourceError::Preset)?;
+                let layers = (d.layers > 0).then_some(d.layers as usize);
+                let config = ModelConfig::from_preset(preset, layers, d.bf16).map_err(SourceError::Dummy)?;
+                Ok(Self::Dummy { config, generator: Generator::new(d.seed) })
+            }
+            None => Err(SourceError::Missing),
+        }
+    }
+}
+
 /// A claim as a `LoadSource.content` message.
 pub fn claim_to_pb(c: &ContentClaim) -> pb::ContentClaim {
     pb::ContentClaim {
@@ -206,6 +259,37 @@ mod tests {
     use super::*;
     use orchestrator_model::synth::{SynthOptions, write_checkpoint};
     use orchestrator_model::{Preset, RootsError};
+
+    #[test]
+    fn request_sources_that_name_nothing_loadable_fail_by_kind_with_their_field() {
+        let roots = AllowedRoots::default();
+        let dummy = |preset: &str, layers: u32| pb::LoadSource {
+            kind: Some(pb::load_source::Kind::Dummy(pb::DummySource { preset: preset.into(), layers, seed: 3, bf16: false })),
+            content: None,
+        };
+        let err = |s: Option<&pb::LoadSource>| LoadSource::from_pb(s, &roots).err().expect("refused");
+        let e = err(None);
+        assert!(matches!(e, SourceError::Missing), "{e:?}");
+        assert_eq!(tonic::Status::from(e).message(), "source: missing (checkpoint_dir or dummy)");
+        let e = err(Some(&pb::LoadSource { kind: None, content: None }));
+        assert!(matches!(e, SourceError::Missing), "{e:?}");
+        let e = err(Some(&dummy("no-such-preset", 1)));
+        assert!(matches!(e, SourceError::Preset(ModelError::UnknownPreset { .. })), "{e:?}");
+        assert!(e.to_string().starts_with("source.dummy.preset: "), "{e}");
+        assert_eq!(tonic::Status::from(e).code(), tonic::Code::InvalidArgument);
+        let ok = LoadSource::from_pb(Some(&dummy("tiny", 1)), &roots).expect("a dummy source");
+        assert_eq!((ok.format_name(), ok.describe()), ("dummy", "dummy(seed=3)".to_string()));
+        let claimed = pb::LoadSource {
+            kind: Some(pb::load_source::Kind::CheckpointDir("/nonexistent".into())),
+            content: Some(pb::ContentClaim { version: "x".into(), ..Default::default() }),
+        };
+        let e = err(Some(&claimed));
+        assert!(matches!(&e, SourceError::Claim(m) if m.starts_with("source.content.version")), "{e:?}");
+        // Outside the (empty) roots: refused before anything is read, as a permission.
+        let e = err(Some(&pb::LoadSource { kind: Some(pb::load_source::Kind::CheckpointDir("/".into())), content: None }));
+        assert!(matches!(e, SourceError::Roots(_)), "{e:?}");
+        assert_eq!(tonic::Status::from(e).code(), tonic::Code::PermissionDenied);
+    }
 
     #[test]
     fn claims_round_trip_and_bad_ones_name_their_field() {
