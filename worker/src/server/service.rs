@@ -16,7 +16,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use super::probing::{Computed, adopt_round_trip, answer_of, compute_probe, keep_verified, reduce_and_answer};
-use super::state::{Plan, StageOptions, Staged, State, keep_or_drop, lock, prepare_spare, snapshot, still_holds, unshared, versions_of};
+use super::state::{
+    InPlace, Plan, StageOptions, Staged, State, keep_or_drop, lock, prepare_spare, snapshot, still_holds, unshared, versions_of,
+};
 use crate::collective::RingListener;
 use crate::device::AnyBackend;
 use crate::faults::{Fault, inject_on};
@@ -436,51 +438,8 @@ impl Worker for WorkerService {
         // Mid-swap, and the new version is verified in rotation only after the swap.
         self.not_ready().await;
         self.with_state(move |st| {
-            let (active, staged) = versions_of(st);
-            // Idempotent: a commit whose answer was lost is asked again, and finds its version in place.
-            if st.shadow.is_none() && !expected.is_empty() && active == expected {
-                let generation = st.weights.as_ref().map_or(0, |w| w.generation);
-                return Ok(pb::CommitResponse { checkpoint_version: active, generation, staged_version: String::new() });
-            }
-            if st.shadow.is_none() {
-                return Err(Status::failed_precondition(format!("commit: nothing staged (holding version {active})")));
-            }
-            if !expected.is_empty() && staged != expected {
-                return Err(Status::failed_precondition(format!("commit: staged version {staged}, expected {expected}")));
-            }
-            let Staged { weights, source, path, seconds, round_trip } =
-                st.shadow.take().ok_or_else(|| Status::failed_precondition("commit: nothing staged"))?;
-            let staged_at = Arc::as_ptr(&weights);
-            let mut w = match Arc::try_unwrap(weights) {
-                Ok(w) => w,
-                Err(weights) => {
-                    // A verification probe still computes on them (asked again, the commit finds
-                    // them free).
-                    st.shadow = Some(Staged { weights, source, path, seconds, round_trip });
-                    return Err(Status::unavailable("commit: the staged version is still being probed"));
-                }
-            };
-            st.computed = None;
-            w.generation = st.weights.as_ref().map_or(1, |old| old.generation + 1);
-            st.committed_round_trip = round_trip.map(|rt| (w.generation, rt));
-            // The verification probe kept for these very weights (a `Weak` keeps its allocation,
-            // so no later weights can share the address) answers the probe after the commit.
-            st.committed_probe =
-                st.verified_probe.take().filter(|(kept, _)| std::ptr::eq(kept.as_ptr(), staged_at)).map(|(_, k)| (w.generation, k));
-            let replaced = st.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
-            st.previous = st.weights.take().zip(replaced);
-            st.weights = Some(Arc::new(w));
-            st.previous_seconds = std::mem::replace(&mut st.load_seconds, seconds);
-            st.previous_path = std::mem::replace(&mut st.load_path, path);
-            if let Some(p) = &st.plan {
-                crate::metrics::worker().serving(p.dp_rank, p.tp_rank, &staged);
-                tracing::info!(tp_rank = p.tp_rank, replica = p.dp_rank, version = %staged, "committed the staged version");
-            }
-            Ok(pb::CommitResponse {
-                checkpoint_version: staged,
-                generation: st.weights.as_ref().map_or(0, |w| w.generation),
-                staged_version: String::new(),
-            })
+            let InPlace { version, generation } = st.commit(&expected)?;
+            Ok(pb::CommitResponse { checkpoint_version: version, generation, staged_version: String::new() })
         })
         .await
         .map(Response::new)
@@ -491,52 +450,14 @@ impl Worker for WorkerService {
         if rollback {
             self.not_ready().await;
         }
-        self.with_state(move |st| {
-            st.computed = None;
-            st.verified_probe = None;
-            // Weights a verification probe still computes on are freed when it ends, not kept.
-            keep_or_drop(st, |st| st.shadow.take().and_then(|s| unshared(s.weights)));
-            st.stage_epoch += 1;
-            if rollback {
-                let kept = st.previous.as_ref().map(|(_, s)| s.version());
-                match kept {
-                    None => return Err(Status::failed_precondition("abort: nothing kept to roll back to")),
-                    Some(v) if !expected_version.is_empty() && v != expected_version => {
-                        return Err(Status::failed_precondition(format!("abort: the kept version is {v}, expected {expected_version}")));
-                    }
-                    Some(_) => {}
-                }
-                let (kept, source) = st.previous.take().ok_or_else(|| Status::failed_precondition("abort: nothing kept"))?;
-                let mut w = match Arc::try_unwrap(kept) {
-                    Ok(w) => w,
-                    Err(kept) => {
-                        // A probe or report that began before the commit still reads them.
-                        st.previous = Some((kept, source));
-                        return Err(Status::unavailable("abort: the kept version is still being read (ask again)"));
-                    }
-                };
-                w.generation = st.weights.as_ref().map_or(1, |cur| cur.generation + 1);
-                st.committed_round_trip = None;
-                st.committed_probe = None;
-                if let Some(p) = st.plan.as_mut() {
-                    p.source = source;
-                }
-                st.weights = Some(Arc::new(w));
-                st.load_seconds = st.previous_seconds;
-                st.load_path = st.previous_path;
-                if let Some(p) = &st.plan {
-                    crate::metrics::worker().serving(p.dp_rank, p.tp_rank, &p.source.version());
-                }
-            }
-            Ok(pb::AbortResponse { checkpoint_version: versions_of(st).0 })
-        })
-        .await
-        .map(Response::new)
+        self.with_state(move |st| Ok(pb::AbortResponse { checkpoint_version: st.abort(rollback, &expected_version)? }))
+            .await
+            .map(Response::new)
     }
 
     async fn release(&self, _request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
         self.with_state(|st| {
-            keep_or_drop(st, |st| st.previous.take().and_then(|(w, _)| unshared(w)));
+            st.release();
             Ok(pb::ReleaseResponse {})
         })
         .await

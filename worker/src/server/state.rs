@@ -16,6 +16,49 @@ use crate::loader::{RankLoader, RankWeights};
 use crate::probe::ProbeSpec;
 use crate::source::LoadSource;
 
+/// Why the rank refuses a request in the state it is in. Each is answered as a gRPC status
+/// ([`From<RankError> for Status`]): a request that does not fit what the rank holds is
+/// `FAILED_PRECONDITION`; one whose weights a probe or report still reads is `UNAVAILABLE`
+/// (asked again, it finds them free).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub(super) enum RankError {
+    #[error("no shard assigned")]
+    NotAssigned,
+    #[error("not loaded")]
+    NotLoaded,
+    #[error("nothing staged")]
+    NoStage,
+    /// A commit with nothing staged that does not find its version in place either.
+    #[error("commit: nothing staged (holding version {active})")]
+    CommitNothingStaged { active: String },
+    #[error("commit: staged version {staged}, expected {expected}")]
+    CommitOtherVersion { staged: String, expected: String },
+    #[error("commit: the staged version is still being probed")]
+    StagedInUse,
+    #[error("abort: nothing kept to roll back to")]
+    NothingKept,
+    #[error("abort: the kept version is {kept}, expected {expected}")]
+    KeptOtherVersion { kept: String, expected: String },
+    #[error("abort: the kept version is still being read (ask again)")]
+    KeptInUse,
+}
+
+impl From<RankError> for Status {
+    fn from(e: RankError) -> Self {
+        match e {
+            RankError::StagedInUse | RankError::KeptInUse => Status::unavailable(e.to_string()),
+            _ => Status::failed_precondition(e.to_string()),
+        }
+    }
+}
+
+/// A version in place after a commit or abort, and the generation of its weights.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct InPlace {
+    pub(super) version: String,
+    pub(super) generation: u64,
+}
+
 /// What the coordinator assigned.
 #[derive(Clone)]
 pub(super) struct Plan {
@@ -161,20 +204,20 @@ pub(super) fn prepare_spare(
 }
 
 /// The active weights and their source, or the staged ones.
-pub(super) fn weights_of(st: &State, shadow: bool) -> Result<(&SharedWeights, &Arc<LoadSource>), Status> {
+pub(super) fn weights_of(st: &State, shadow: bool) -> Result<(&SharedWeights, &Arc<LoadSource>), RankError> {
     if shadow {
-        let staged = st.shadow.as_ref().ok_or_else(|| Status::failed_precondition("nothing staged"))?;
+        let staged = st.shadow.as_ref().ok_or(RankError::NoStage)?;
         Ok((&staged.weights, &staged.source))
     } else {
-        let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
-        Ok((st.weights.as_ref().ok_or_else(|| Status::failed_precondition("not loaded"))?, &plan.source))
+        let plan = st.plan.as_ref().ok_or(RankError::NotAssigned)?;
+        Ok((st.weights.as_ref().ok_or(RankError::NotLoaded)?, &plan.source))
     }
 }
 
 /// What a probe or report computes on, taken under the state lock and read without it: the
 /// plan, the active (or staged) weights and their source.
-pub(super) fn snapshot(st: &State, shadow: bool) -> Result<(Plan, SharedWeights, Arc<LoadSource>), Status> {
-    let plan = st.plan.clone().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+pub(super) fn snapshot(st: &State, shadow: bool) -> Result<(Plan, SharedWeights, Arc<LoadSource>), RankError> {
+    let plan = st.plan.clone().ok_or(RankError::NotAssigned)?;
     let (w, source) = weights_of(st, shadow)?;
     Ok((plan, w.clone(), source.clone()))
 }
@@ -198,4 +241,200 @@ pub(super) fn versions_of(st: &State) -> (String, String) {
         _ => String::new(),
     };
     (active, st.shadow.as_ref().map(|s| s.source.version()).unwrap_or_default())
+}
+
+impl State {
+    /// Swaps the staged version in (Commit): the active weights become the kept version (for
+    /// an abort's rollback). Idempotent: a commit whose answer was lost, asked again, finds
+    /// `expected` in place. An empty `expected` commits whatever is staged.
+    pub(super) fn commit(&mut self, expected: &str) -> Result<InPlace, RankError> {
+        let (active, staged) = versions_of(self);
+        if self.shadow.is_none() && !expected.is_empty() && active == expected {
+            return Ok(InPlace { version: active, generation: self.weights.as_ref().map_or(0, |w| w.generation) });
+        }
+        let Some(Staged { weights, source, path, seconds, round_trip }) = self.shadow.take() else {
+            return Err(RankError::CommitNothingStaged { active });
+        };
+        if !expected.is_empty() && staged != expected {
+            self.shadow = Some(Staged { weights, source, path, seconds, round_trip });
+            return Err(RankError::CommitOtherVersion { staged, expected: expected.to_string() });
+        }
+        let staged_at = Arc::as_ptr(&weights);
+        let mut w = match Arc::try_unwrap(weights) {
+            Ok(w) => w,
+            Err(weights) => {
+                // A verification probe still computes on them (asked again, the commit finds
+                // them free).
+                self.shadow = Some(Staged { weights, source, path, seconds, round_trip });
+                return Err(RankError::StagedInUse);
+            }
+        };
+        self.computed = None;
+        w.generation = self.weights.as_ref().map_or(1, |old| old.generation + 1);
+        self.committed_round_trip = round_trip.map(|rt| (w.generation, rt));
+        // The verification probe kept for these very weights (a `Weak` keeps its allocation,
+        // so no later weights can share the address) answers the probe after the commit.
+        self.committed_probe =
+            self.verified_probe.take().filter(|(kept, _)| std::ptr::eq(kept.as_ptr(), staged_at)).map(|(_, k)| (w.generation, k));
+        let replaced = self.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
+        self.previous = self.weights.take().zip(replaced);
+        let generation = w.generation;
+        self.weights = Some(Arc::new(w));
+        self.previous_seconds = std::mem::replace(&mut self.load_seconds, seconds);
+        self.previous_path = std::mem::replace(&mut self.load_path, path);
+        if let Some(p) = &self.plan {
+            crate::metrics::worker().serving(p.dp_rank, p.tp_rank, &staged);
+            tracing::info!(tp_rank = p.tp_rank, replica = p.dp_rank, version = %staged, "committed the staged version");
+        }
+        Ok(InPlace { version: staged, generation })
+    }
+
+    /// Drops what is staged (Abort) and, with `rollback`, swaps the kept version back in (when
+    /// it is `expected`, or whatever it is for an empty `expected`). Every abort bumps the stage
+    /// epoch, so a stage still running can no longer land. Answers the active version.
+    pub(super) fn abort(&mut self, rollback: bool, expected: &str) -> Result<String, RankError> {
+        self.computed = None;
+        self.verified_probe = None;
+        // Weights a verification probe still computes on are freed when it ends, not kept.
+        keep_or_drop(self, |st| st.shadow.take().and_then(|s| unshared(s.weights)));
+        self.stage_epoch += 1;
+        if rollback {
+            let (kept, source) = self.previous.take().ok_or(RankError::NothingKept)?;
+            let version = source.version();
+            if !expected.is_empty() && version != expected {
+                self.previous = Some((kept, source));
+                return Err(RankError::KeptOtherVersion { kept: version, expected: expected.to_string() });
+            }
+            let mut w = match Arc::try_unwrap(kept) {
+                Ok(w) => w,
+                Err(kept) => {
+                    // A probe or report that began before the commit still reads them.
+                    self.previous = Some((kept, source));
+                    return Err(RankError::KeptInUse);
+                }
+            };
+            w.generation = self.weights.as_ref().map_or(1, |cur| cur.generation + 1);
+            self.committed_round_trip = None;
+            self.committed_probe = None;
+            if let Some(p) = self.plan.as_mut() {
+                p.source = source;
+            }
+            self.weights = Some(Arc::new(w));
+            self.load_seconds = self.previous_seconds;
+            self.load_path = self.previous_path;
+            if let Some(p) = &self.plan {
+                crate::metrics::worker().serving(p.dp_rank, p.tp_rank, &p.source.version());
+            }
+        }
+        Ok(versions_of(self).0)
+    }
+
+    /// Ends an update (Release): the kept version is freed, or kept as the next stage's buffers.
+    pub(super) fn release(&mut self) {
+        keep_or_drop(self, |st| st.previous.take().and_then(|(w, _)| unshared(w)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orchestrator_model::{Generator, ModelConfig, Preset};
+
+    /// A tiny dummy version (`seed`) loaded on the CPU.
+    fn version(seed: u64) -> (Arc<LoadSource>, RankWeights<AnyBackend>) {
+        let config = ModelConfig::from_preset(Preset::Tiny, Some(1), false).unwrap();
+        let source = LoadSource::Dummy { config, generator: Generator::new(seed) };
+        let backend = AnyBackend::Cpu(orchestrator_kernels::CpuBackend);
+        let w = RankLoader::new(&backend, source.config(), 1, 0, ScaleRule::Rceil).unwrap().load(&source).unwrap();
+        (Arc::new(source), w)
+    }
+
+    fn loaded(seed: u64) -> State {
+        let (source, mut w) = version(seed);
+        w.generation = 1;
+        let plan = Plan {
+            tp_size: 1,
+            tp_rank: 0,
+            dp_size: 1,
+            dp_rank: 0,
+            source,
+            rule: ScaleRule::Rceil,
+            fault: pb::Fault::None,
+            dump_dir: None,
+            keep_staging_buffers: false,
+        };
+        State { plan: Some(plan), weights: Some(Arc::new(w)), load_path: "real", load_seconds: 1.0, ..State::default() }
+    }
+
+    fn stage(st: &mut State, seed: u64) -> SharedWeights {
+        let (source, w) = version(seed);
+        let weights = Arc::new(w);
+        st.shadow = Some(Staged { weights: weights.clone(), source, round_trip: None, path: "stage", seconds: 0.5 });
+        weights
+    }
+
+    /// Commit and abort, event by event: what each answers or refuses (by kind, and the gRPC
+    /// code it becomes), and what the rank holds after it.
+    #[test]
+    fn commits_and_aborts_answer_or_refuse_by_kind_and_leave_one_version_active() {
+        let code = |e: RankError| Status::from(e).code();
+        let mut empty = State::default();
+        assert_eq!(empty.commit(""), Err(RankError::CommitNothingStaged { active: String::new() }));
+        assert_eq!(empty.abort(true, ""), Err(RankError::NothingKept));
+        assert_eq!(empty.abort(false, ""), Ok(String::new()));
+
+        let mut st = loaded(1);
+        let (a, b, c) = (version(1).0.version(), version(2).0.version(), version(3).0.version());
+        // Nothing staged: only the version in place is confirmed (a commit asked again).
+        assert_eq!(st.commit(&b), Err(RankError::CommitNothingStaged { active: a.clone() }));
+        assert_eq!(st.commit(&a), Ok(InPlace { version: a.clone(), generation: 1 }));
+
+        let staged = stage(&mut st, 2);
+        let refused = st.commit(&c).unwrap_err();
+        assert_eq!(refused, RankError::CommitOtherVersion { staged: b.clone(), expected: c.clone() });
+        assert_eq!(code(refused), tonic::Code::FailedPrecondition);
+        // A verification probe still reads the staged weights: ask again; nothing moved.
+        assert_eq!(st.commit(&b), Err(RankError::StagedInUse));
+        assert_eq!(code(RankError::StagedInUse), tonic::Code::Unavailable);
+        assert_eq!(versions_of(&st), (a.clone(), b.clone()));
+        drop(staged);
+        assert_eq!(st.commit(&b), Ok(InPlace { version: b.clone(), generation: 2 }));
+        assert_eq!(versions_of(&st), (b.clone(), String::new()));
+        assert_eq!((st.load_path, st.load_seconds, st.previous_path, st.previous_seconds), ("stage", 0.5, "real", 1.0));
+        assert_eq!(st.commit(&b), Ok(InPlace { version: b.clone(), generation: 2 }), "a commit asked again");
+
+        // Roll back: only to the kept version, and not while a reader holds it.
+        let epoch = st.stage_epoch;
+        assert_eq!(st.abort(true, &c), Err(RankError::KeptOtherVersion { kept: a.clone(), expected: c.clone() }));
+        let reader = st.previous.as_ref().map(|(w, _)| w.clone()).unwrap();
+        assert_eq!(st.abort(true, &a), Err(RankError::KeptInUse));
+        assert_eq!(code(RankError::KeptInUse), tonic::Code::Unavailable);
+        assert_eq!(versions_of(&st).0, b, "a refused rollback leaves the committed version");
+        drop(reader);
+        assert_eq!(st.abort(true, &a), Ok(a.clone()));
+        assert_eq!(st.stage_epoch, epoch + 3, "every abort bumps the stage epoch");
+        assert_eq!((st.weights.as_ref().unwrap().generation, st.load_path, st.load_seconds), (3, "real", 1.0));
+        assert_eq!(st.abort(true, ""), Err(RankError::NothingKept));
+
+        // A plain abort drops what is staged and keeps the active version.
+        stage(&mut st, 3);
+        assert_eq!(st.abort(false, ""), Ok(a.clone()));
+        assert_eq!(versions_of(&st), (a, String::new()));
+        assert_eq!(st.commit(&c), Err(RankError::CommitNothingStaged { active: versions_of(&st).0 }));
+    }
+
+    #[test]
+    fn release_frees_the_kept_version_or_keeps_it_as_spare_buffers() {
+        for keep in [false, true] {
+            let mut st = loaded(1);
+            st.plan.as_mut().unwrap().keep_staging_buffers = keep;
+            stage(&mut st, 2);
+            st.commit("").unwrap();
+            assert!(st.previous.is_some());
+            st.release();
+            assert!(st.previous.is_none());
+            assert_eq!(st.spare.is_some(), keep);
+            assert_eq!(st.abort(true, ""), Err(RankError::NothingKept), "nothing to roll back to after a release");
+        }
+    }
 }
