@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod nccl;
 pub mod placement;
 pub mod probe;
+pub mod rank;
 pub mod reference;
 pub mod report;
 pub mod roundtrip;

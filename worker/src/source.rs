@@ -259,6 +259,39 @@ mod tests {
     use super::*;
     use orchestrator_model::synth::{SynthOptions, write_checkpoint};
     use orchestrator_model::{Preset, RootsError};
+    use pb::load_source::Kind;
+
+    #[test]
+    fn checkpoints_outside_the_allowed_roots_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (root, other) = (tmp.path().join("allowed"), tmp.path().join("other"));
+        let config = ModelConfig::from_preset(orchestrator_model::Preset::Tiny, Some(1), false).unwrap();
+        for dir in [root.join("ckpt"), other.join("ckpt")] {
+            write_checkpoint(&dir, &SynthOptions { config: config.clone(), seed: 1, max_shard_bytes: 1 << 30, preset_name: None }).unwrap();
+        }
+        let roots = AllowedRoots::new(std::slice::from_ref(&root)).unwrap();
+        let source_from = |p: Option<&pb::LoadSource>, roots: &AllowedRoots| LoadSource::from_pb(p, roots).map_err(tonic::Status::from);
+        let src = |p: &std::path::Path| pb::LoadSource { kind: Some(Kind::CheckpointDir(p.display().to_string())), content: None };
+        assert!(source_from(Some(&src(&root.join("ckpt"))), &roots).is_ok());
+        for bad in [other.join("ckpt"), root.join("ckpt/../../other/ckpt")] {
+            let e = source_from(Some(&src(&bad)), &roots).err().unwrap();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{bad:?}");
+            assert!(e.message().contains(&bad.display().to_string()), "{}", e.message());
+        }
+        #[cfg(unix)]
+        {
+            let link = root.join("escape");
+            std::os::unix::fs::symlink(other.join("ckpt"), &link).unwrap();
+            assert_eq!(source_from(Some(&src(&link)), &roots).err().unwrap().code(), tonic::Code::PermissionDenied);
+        }
+        // No roots: no checkpoint directory at all; dummy sources need none.
+        assert!(source_from(Some(&src(&root.join("ckpt"))), &AllowedRoots::default()).is_err());
+        let dummy = pb::LoadSource {
+            content: None,
+            kind: Some(Kind::Dummy(pb::DummySource { preset: "tiny".into(), layers: 1, seed: 0, bf16: false })),
+        };
+        assert!(source_from(Some(&dummy), &AllowedRoots::default()).is_ok());
+    }
 
     #[test]
     fn request_sources_that_name_nothing_loadable_fail_by_kind_with_their_field() {

@@ -1,32 +1,27 @@
 //! `orchestrator-worker serve`: the worker as a gRPC server. It registers with the
 //! coordinator, heartbeats, and serves the `Worker` service (assign, load with streamed
 //! progress, report, probe with the TP all-reduce, reload, shutdown), plus grpc.health.v1 and
-//! server reflection. Heavy work runs on blocking threads; the state sits behind a mutex.
+//! server reflection.
 //!
 //! - [`serve`] (here): the process: listeners, registration and heartbeats on a thread of their
 //!   own, the server until shutdown.
-//! - `service`: [`WorkerService`], the `Worker` RPCs: loads, stages and reloads streamed from
-//!   blocking threads, commit, abort, release, report, probe, readiness.
-//! - `state`: what the rank holds (its plan, active, staged, kept and spare weights, stage
-//!   epoch, collectives, kept verdicts) and the helpers that read it under its lock.
-//! - `probing`: a probe's passes, its all-reduce and answer, and the verification probe kept
-//!   for the probe after a commit.
+//! - `service`: [`WorkerService`], the `Worker` RPCs as calls on a [`crate::rank::Rank`] (the
+//!   rank's state and what it does, apart from the wire), run on blocking threads, with the
+//!   readiness status and each `RankError` answered as its `Status`.
 
-mod probing;
 mod service;
-mod state;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use orchestrator_kernels::Backend;
 use orchestrator_proto::v1 as pb;
 use orchestrator_proto::v1::coordinator_client::CoordinatorClient;
 use orchestrator_proto::v1::worker_server::WorkerServer;
 use tokio::sync::Notify;
 
 use crate::device::AnyBackend;
+use crate::rank::Rank;
 use orchestrator_model::AllowedRoots;
 use orchestrator_net::auth::Token;
 
@@ -134,10 +129,9 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("--metrics-listen {m}: {e}"))?;
         tracing::info!(%at, "metrics listening at /metrics");
     }
-    let service = WorkerService::with_backend(shutdown.clone(), roots, AnyBackend::from_env()?)
-        .with_ring_address(address.ip(), advertise.clone())
-        .with_health(health, placement.host.clone());
-    let device = service.backend.name();
+    let rank = Rank::new(roots, AnyBackend::from_env()?, placement.host.clone()).with_ring_address(address.ip(), advertise.clone());
+    let service = WorkerService::serving(shutdown.clone(), rank).with_health(health);
+    let device = service.device();
     let worker_id = placement.rank;
     let advertised =
         format!("{}://{}", orchestrator_net::tls::scheme(tls.as_ref()), crate::placement::join_host_port(&advertise, address.port()));

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use orchestrator_kernels::Digest;
 use orchestrator_proto::v1 as pb;
-use tonic::Status;
 
+use super::RankError;
 use super::state::{Plan, State, versions_of};
 use crate::collective::{Collective, LocalCollective};
 use crate::device::AnyBackend;
@@ -20,49 +20,49 @@ use crate::source::LoadSource;
 /// The verdict of a deferred round trip, taken from the verified rank `proof` names when the
 /// staged weights `w` hold the same kernel and source bytes (a round trip reads those alone);
 /// `None` when they differ (the rank then runs its own).
-pub(super) fn adopt_round_trip(w: &RankWeights<AnyBackend>, proof: &pb::RoundTripProof) -> Option<crate::roundtrip::RoundTrip> {
+pub(crate) fn adopt_round_trip(w: &RankWeights<AnyBackend>, proof: &pb::RoundTripProof) -> Option<crate::roundtrip::RoundTrip> {
     let same = w.kernel_rank_digest().hex() == proof.kernel_rank_digest && w.source_rank_digest().hex() == proof.source_rank_digest;
     same.then(|| crate::roundtrip::RoundTrip { ok: true, identical_to: Some(proof.rank.clone()), ..Default::default() })
 }
 
 /// One rank's passes of a probe, before its all-reduce.
-pub(super) struct ComputedProbe {
-    pub(super) probe: crate::probe::RankProbe,
-    pub(super) version: String,
-    pub(super) generation: u64,
+pub(crate) struct ComputedProbe {
+    pub(crate) probe: crate::probe::RankProbe,
+    pub(crate) version: String,
+    pub(crate) generation: u64,
 }
 
 /// The first half of a staged version's probe ([`pb::ProbePhase::Compute`]), kept for its
 /// second: of which staged weights (held weakly: a kept result never keeps weights alive),
 /// which probe, with or without the reference.
-pub(super) struct Computed {
-    pub(super) weights: std::sync::Weak<RankWeights<AnyBackend>>,
-    pub(super) spec: ProbeSpec,
-    pub(super) check: bool,
-    pub(super) probe: ComputedProbe,
+pub(crate) struct Computed {
+    pub(crate) weights: std::sync::Weak<RankWeights<AnyBackend>>,
+    pub(crate) spec: ProbeSpec,
+    pub(crate) check: bool,
+    pub(crate) probe: ComputedProbe,
 }
 
 /// A verification probe of staged weights, all-reduced, kept by the rank so that the probe
 /// right after their commit (the same probe of the very same weights, which nothing writes
 /// between the two) is answered from it rather than computed again: which probe, with or
 /// without the reference, this rank's passes and its group's `y`.
-pub(super) struct KeptProbe {
-    pub(super) spec: ProbeSpec,
-    pub(super) check: bool,
-    pub(super) probe: ComputedProbe,
-    pub(super) y_digest: String,
-    pub(super) allreduce_seconds: f64,
+pub(crate) struct KeptProbe {
+    pub(crate) spec: ProbeSpec,
+    pub(crate) check: bool,
+    pub(crate) probe: ComputedProbe,
+    pub(crate) y_digest: String,
+    pub(crate) allreduce_seconds: f64,
 }
 
 impl KeptProbe {
     /// The answer to a probe after the commit (`generation`: the committed weights').
-    pub(super) fn answer(&self, st: &State, generation: u64) -> pb::ProbeResult {
+    pub(crate) fn answer(&self, st: &State, generation: u64) -> pb::ProbeResult {
         pb::ProbeResult { generation, kept: true, ..answer_of(st, &self.probe, self.y_digest.clone(), self.allreduce_seconds) }
     }
 }
 
 /// Runs this rank's passes of `spec` on `w` (`check`: against the reference, kept in `cache`).
-pub(super) fn compute_probe(
+pub(crate) fn compute_probe(
     backend: &AnyBackend,
     plan: &Plan,
     w: &RankWeights<AnyBackend>,
@@ -70,18 +70,17 @@ pub(super) fn compute_probe(
     spec: ProbeSpec,
     check: bool,
     cache: &Mutex<crate::probe::ReferenceCache>,
-) -> Result<ComputedProbe, Status> {
+) -> Result<ComputedProbe, RankError> {
     let loader =
-        RankLoader::new(backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule).map_err(|e| Status::internal(e.to_string()))?;
-    let probe =
-        probe_rank_with(&loader, w, source, spec, plan.rule, check, Some(cache)).map_err(|e| Status::internal(format!("probe: {e}")))?;
+        RankLoader::new(backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule).map_err(|e| RankError::ProbePlan(Box::new(e)))?;
+    let probe = probe_rank_with(&loader, w, source, spec, plan.rule, check, Some(cache)).map_err(|e| RankError::Probe(Box::new(e)))?;
     let version = source.version();
     crate::metrics::worker().probed(plan.dp_rank, plan.tp_rank, &version, probe.ok, probe.kernel_s + probe.reference_s);
     Ok(ComputedProbe { probe, version, generation: w.generation })
 }
 
 /// The answer to a probe whose passes gave `c`, with its all-reduced `y` (empty: not reduced).
-pub(super) fn answer_of(st: &State, c: &ComputedProbe, y_digest: String, allreduce_seconds: f64) -> pb::ProbeResult {
+pub(crate) fn answer_of(st: &State, c: &ComputedProbe, y_digest: String, allreduce_seconds: f64) -> pb::ProbeResult {
     let p = &c.probe;
     let (checkpoint_version, staged_version) = versions_of(st);
     pb::ProbeResult {
@@ -108,13 +107,13 @@ pub(super) fn answer_of(st: &State, c: &ComputedProbe, y_digest: String, allredu
 
 /// The TP all-reduce of a probe's `y_partial` (in rank order) over the group's ring, or NCCL,
 /// and the answer.
-pub(super) fn reduce_and_answer(
+pub(crate) fn reduce_and_answer(
     st: &mut State,
     backend: &AnyBackend,
     r: &pb::ProbeRequest,
     c: &ComputedProbe,
-) -> Result<pb::ProbeResult, Status> {
-    let plan = st.plan.as_ref().ok_or_else(|| Status::failed_precondition("no shard assigned"))?;
+) -> Result<pb::ProbeResult, RankError> {
+    let plan = st.plan.as_ref().ok_or(RankError::NotAssigned)?;
     let (tp_rank, tp_size) = (plan.tp_rank, plan.tp_size);
     let started = Instant::now();
     let mut y = c.probe.y_partial.clone();
@@ -123,16 +122,16 @@ pub(super) fn reduce_and_answer(
         // GPU workers: NCCL, with the id the group's rank 0 created (world size 1 included).
         backend
             .nccl_all_reduce(&mut st.device_collectives, r.group, &r.nccl_unique_id, tp_rank, tp_size, timeout, &mut y)
-            .map_err(|e| Status::unavailable(format!("all-reduce: {e}")))?;
+            .map_err(RankError::AllReduce)?;
     } else if tp_size > 1 {
         if st.ring.as_ref().is_none_or(|(g, e, _)| (*g, *e) != (r.group, r.ring_epoch)) {
             // A new group or epoch (after a failure): drop the old ring, join the new one.
             st.ring = None;
             let peers: Vec<SocketAddr> = r.peers.iter().map(|a| resolve_peer(a)).collect::<Result<_, _>>()?;
-            let listener = st.listener.as_ref().ok_or_else(|| Status::failed_precondition("no collective listener (call Assign first)"))?;
+            let listener = st.listener.as_ref().ok_or(RankError::NoListener)?;
             let ring = listener
                 .connect_epoch(r.group, r.ring_epoch, tp_rank, &peers, timeout)
-                .map_err(|e| Status::unavailable(format!("collective (epoch {}): {e}", r.ring_epoch)))?;
+                .map_err(|why| RankError::Ring { epoch: r.ring_epoch, why })?;
             st.ring = Some((r.group, r.ring_epoch, ring));
         }
         let (_, _, ring) = st.ring.as_mut().expect("ring set above");
@@ -140,17 +139,17 @@ pub(super) fn reduce_and_answer(
             // A failed ring is never reused: the next probe joins a ring again, whatever epoch it
             // names.
             st.ring = None;
-            return Err(Status::unavailable(format!("all-reduce: {e}")));
+            return Err(RankError::AllReduce(e));
         }
     } else {
-        LocalCollective.all_reduce_sum(&mut y).map_err(|e| Status::internal(e.to_string()))?;
+        LocalCollective.all_reduce_sum(&mut y).map_err(RankError::LocalReduce)?;
     }
     Ok(answer_of(st, c, Digest::of_f32(&y).hex(), started.elapsed().as_secs_f64()))
 }
 
 /// Keeps the reduced verification probe `c` (answered with `answer`) of the staged weights
 /// `weights` for the probe after their commit.
-pub(super) fn keep_verified(
+pub(crate) fn keep_verified(
     st: &mut State,
     weights: std::sync::Weak<RankWeights<AnyBackend>>,
     spec: ProbeSpec,
@@ -163,14 +162,14 @@ pub(super) fn keep_verified(
 }
 
 /// A peer's advertised `host:port` (an IP, or a name such as a pod's DNS name).
-pub(super) fn resolve_peer(address: &str) -> Result<SocketAddr, Status> {
+pub(crate) fn resolve_peer(address: &str) -> Result<SocketAddr, RankError> {
     if let Ok(a) = address.parse() {
         return Ok(a);
     }
     use std::net::ToSocketAddrs;
     address
         .to_socket_addrs()
-        .map_err(|e| Status::invalid_argument(format!("peer address `{address}`: {e}")))?
+        .map_err(|e| RankError::PeerAddress { address: address.to_string(), why: e.to_string() })?
         .next()
-        .ok_or_else(|| Status::invalid_argument(format!("peer address `{address}` resolves to nothing")))
+        .ok_or_else(|| RankError::PeerUnresolved { address: address.to_string() })
 }

@@ -1,0 +1,171 @@
+//! Why a rank refuses or fails a request: one enum, by kind, each answered as one gRPC status
+//! ([`From<RankError> for Status`]):
+//!
+//! | kind | status |
+//! |---|---|
+//! | the request does not fit what the rank holds (nothing assigned, loaded, staged, kept or computed; another version or geometry) | `FAILED_PRECONDITION` |
+//! | the weights it needs are still read by a probe or report; the collective failed | `UNAVAILABLE` (ask again) |
+//! | a later stage, abort or load overtook it | `ABORTED` |
+//! | the request itself is wrong (its source, scale rule, shard, probe size, peer address) | `INVALID_ARGUMENT` (a source outside the allowed roots: `PERMISSION_DENIED`) |
+//! | loading, staging, probing, dumping or binding failed on this rank | `INTERNAL` |
+
+use orchestrator_model::limits::LimitError;
+use orchestrator_model::{Geometry, ModelError, WeightFormat};
+use tonic::Status;
+
+use crate::loader::LoadError;
+use crate::probe::ProbeSpec;
+use crate::source::SourceError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RankError {
+    #[error("no shard assigned")]
+    NotAssigned,
+    #[error("no shard assigned yet (call Assign first)")]
+    LoadBeforeAssign,
+    #[error("not loaded")]
+    NotLoaded,
+    #[error("nothing loaded to reload into")]
+    NothingToReload,
+    #[error("the new version has geometry {new_geometry:?} / {new_format:?}, the running plan {old_geometry:?} / {old_format:?}")]
+    OtherGeometry { new_geometry: Box<Geometry>, new_format: WeightFormat, old_geometry: Box<Geometry>, old_format: WeightFormat },
+    #[error("nothing staged")]
+    NoStage,
+    /// A commit with nothing staged that does not find its version in place either.
+    #[error("commit: nothing staged (holding version {active})")]
+    CommitNothingStaged { active: String },
+    #[error("commit: staged version {staged}, expected {expected}")]
+    CommitOtherVersion { staged: String, expected: String },
+    #[error("abort: nothing kept to roll back to")]
+    NothingKept,
+    #[error("abort: the kept version is {kept}, expected {expected}")]
+    KeptOtherVersion { kept: String, expected: String },
+    #[error("probe: no kept verification probe of the active weights (generation {generation}) for this probe")]
+    NoKeptProbe { generation: u64 },
+    #[error("probe: nothing computed to reduce for this probe of the staged version")]
+    NothingComputed,
+    #[error("no collective listener (call Assign first)")]
+    NoListener,
+    #[error("set serving: this rank holds version `{active}`, not the verified `{version}`")]
+    NotVerified { active: String, version: String },
+
+    #[error("commit: the staged version is still being probed")]
+    StagedInUse,
+    #[error("abort: the kept version is still being read (ask again)")]
+    KeptInUse,
+    #[error("collective (epoch {epoch}): {why}")]
+    Ring { epoch: u32, why: crate::collective::CollectiveError },
+    #[error("all-reduce: {0}")]
+    AllReduce(crate::collective::CollectiveError),
+
+    #[error("stage: superseded by a later stage or abort")]
+    Superseded,
+    #[error("probe: the weights it computed on were replaced meanwhile (ask again)")]
+    Replaced,
+
+    #[error(transparent)]
+    Source(Box<SourceError>),
+    /// The assigned checkpoint, opened again for a reload, is no longer readable here.
+    #[error("{0}")]
+    Reopen(Box<ModelError>),
+    #[error("{0}")]
+    ScaleRule(String),
+    #[error("{0}")]
+    Shard(Box<ModelError>),
+    #[error("stage: source is missing")]
+    StageWithoutSource,
+    /// A probe (or a stage's reference) of a size over the limits (`context`: `probe`,
+    /// `stage: reference`).
+    #[error("{context}: {error}")]
+    ProbeSize { context: &'static str, error: LimitError },
+    #[error("probe: a probe in halves is of the staged version (shadow) only")]
+    HalvesOfActive,
+    #[error("probe: a kept probe answers a whole probe of the active weights only")]
+    KeptNotWhole,
+    #[error("peer address `{address}`: {why}")]
+    PeerAddress { address: String, why: String },
+    #[error("peer address `{address}` resolves to nothing")]
+    PeerUnresolved { address: String },
+    /// The plan of a load (the shard of this geometry).
+    #[error("{0}")]
+    LoadPlan(Box<LoadError>),
+
+    #[error("load: {0}")]
+    Load(Box<LoadError>),
+    #[error("stage: {0}")]
+    Stage(Box<LoadError>),
+    #[error("stage: the reference of probe {spec}: {why}")]
+    Reference { spec: ProbeSpec, why: Box<LoadError> },
+    #[error("fault injection: {0}")]
+    FaultInjection(orchestrator_kernels::KernelError),
+    /// Refreshing the kernel digests after a fault was injected.
+    #[error("{0}")]
+    Digests(Box<LoadError>),
+    #[error("dump: {0}")]
+    Dump(crate::dump::DumpError),
+    /// The plan of a probe.
+    #[error("{0}")]
+    ProbePlan(Box<LoadError>),
+    #[error("probe: {0}")]
+    Probe(Box<LoadError>),
+    /// The all-reduce of a TP group of one.
+    #[error("{0}")]
+    LocalReduce(crate::collective::CollectiveError),
+    #[error("collective listener on {ip}: {why}")]
+    Listener { ip: std::net::IpAddr, why: crate::collective::CollectiveError },
+    #[error("NCCL unique id: {0}")]
+    NcclId(crate::collective::CollectiveError),
+}
+
+impl From<SourceError> for RankError {
+    fn from(e: SourceError) -> Self {
+        RankError::Source(Box::new(e))
+    }
+}
+
+impl From<RankError> for Status {
+    fn from(e: RankError) -> Self {
+        use RankError::*;
+        let message = e.to_string();
+        match e {
+            Source(e) => (*e).into(),
+            NotAssigned
+            | LoadBeforeAssign
+            | NotLoaded
+            | NothingToReload
+            | OtherGeometry { .. }
+            | NoStage
+            | CommitNothingStaged { .. }
+            | CommitOtherVersion { .. }
+            | NothingKept
+            | KeptOtherVersion { .. }
+            | NoKeptProbe { .. }
+            | NothingComputed
+            | NoListener
+            | NotVerified { .. } => Status::failed_precondition(message),
+            StagedInUse | KeptInUse | Ring { .. } | AllReduce(_) => Status::unavailable(message),
+            Superseded | Replaced => Status::aborted(message),
+            Reopen(_) => Status::permission_denied(message),
+            ScaleRule(_)
+            | Shard(_)
+            | StageWithoutSource
+            | ProbeSize { .. }
+            | HalvesOfActive
+            | KeptNotWhole
+            | PeerAddress { .. }
+            | PeerUnresolved { .. }
+            | LoadPlan(_) => Status::invalid_argument(message),
+            Load(_)
+            | Stage(_)
+            | Reference { .. }
+            | FaultInjection(_)
+            | Digests(_)
+            | Dump(_)
+            | ProbePlan(_)
+            | Probe(_)
+            | LocalReduce(_)
+            | Listener { .. }
+            | NcclId(_) => Status::internal(message),
+        }
+    }
+}
