@@ -169,3 +169,68 @@ impl From<RankError> for Status {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    /// Each kind's status code, and its message exactly as the gRPC answer carries it.
+    #[test]
+    fn every_kind_is_answered_with_its_code_and_message() {
+        let ring = || crate::collective::CollectiveError::InvalidGroup { reason: "no peers".into() };
+        let model = || ModelError::UnknownPreset { name: "x".into(), known: "tiny".into() };
+        let load = || Box::new(LoadError::Config("bad".into()));
+        let cases: Vec<(RankError, Code, &str)> = vec![
+            (RankError::NotAssigned, Code::FailedPrecondition, "no shard assigned"),
+            (RankError::LoadBeforeAssign, Code::FailedPrecondition, "no shard assigned yet (call Assign first)"),
+            (RankError::NothingToReload, Code::FailedPrecondition, "nothing loaded to reload into"),
+            (
+                RankError::NoKeptProbe { generation: 4 },
+                Code::FailedPrecondition,
+                "probe: no kept verification probe of the active weights (generation 4) for this probe",
+            ),
+            (
+                RankError::NothingComputed,
+                Code::FailedPrecondition,
+                "probe: nothing computed to reduce for this probe of the staged version",
+            ),
+            (
+                RankError::NotVerified { active: "a".into(), version: "b".into() },
+                Code::FailedPrecondition,
+                "set serving: this rank holds version `a`, not the verified `b`",
+            ),
+            (RankError::StagedInUse, Code::Unavailable, "commit: the staged version is still being probed"),
+            (RankError::Ring { epoch: 3, why: ring() }, Code::Unavailable, "collective (epoch 3): invalid ring: no peers"),
+            (RankError::AllReduce(ring()), Code::Unavailable, "all-reduce: invalid ring: no peers"),
+            (RankError::Superseded, Code::Aborted, "stage: superseded by a later stage or abort"),
+            (RankError::Replaced, Code::Aborted, "probe: the weights it computed on were replaced meanwhile (ask again)"),
+            (SourceError::Missing.into(), Code::InvalidArgument, "source: missing (checkpoint_dir or dummy)"),
+            (RankError::Reopen(Box::new(model())), Code::PermissionDenied, ""),
+            (RankError::ScaleRule("unknown scale rule `x`".into()), Code::InvalidArgument, "unknown scale rule `x`"),
+            (RankError::StageWithoutSource, Code::InvalidArgument, "stage: source is missing"),
+            (
+                RankError::ProbeSize { context: "stage: reference", error: LimitError::Zero { what: "probe tokens" } },
+                Code::InvalidArgument,
+                "stage: reference: ",
+            ),
+            (RankError::HalvesOfActive, Code::InvalidArgument, "probe: a probe in halves is of the staged version (shadow) only"),
+            (RankError::PeerUnresolved { address: "h:1".into() }, Code::InvalidArgument, "peer address `h:1` resolves to nothing"),
+            (RankError::LoadPlan(load()), Code::InvalidArgument, "bad"),
+            (RankError::Load(load()), Code::Internal, "load: bad"),
+            (RankError::Stage(load()), Code::Internal, "stage: bad"),
+            (
+                RankError::Reference { spec: ProbeSpec { tokens: 2, latents: 16, seed: 0 }, why: load() },
+                Code::Internal,
+                "stage: the reference of probe ",
+            ),
+            (RankError::Probe(load()), Code::Internal, "probe: bad"),
+            (RankError::NcclId(ring()), Code::Internal, "NCCL unique id: invalid ring: no peers"),
+        ];
+        for (e, code, message) in cases {
+            let status = Status::from(e);
+            assert_eq!(status.code(), code, "{}", status.message());
+            assert!(status.message().starts_with(message), "{:?} does not start with {message:?}", status.message());
+        }
+    }
+}

@@ -415,19 +415,12 @@ impl Rank {
             if brief {
                 let (checkpoint_version, staged_version) = versions_of(&st);
                 return Ok(pb::RankReport {
-                    tp_size: plan.tp_size as u32,
-                    tp_rank: plan.tp_rank as u32,
-                    dp_size: plan.dp_size as u32,
-                    dp_rank: plan.dp_rank as u32,
-                    host: self.host.clone(),
-                    device: backend.name(),
-                    pid: std::process::id(),
                     checkpoint_version,
                     staged_version,
                     previous_version: st.previous.as_ref().map(|(_, s)| s.version()).unwrap_or_default(),
                     generation: st.weights.as_ref().map_or(0, |w| w.generation),
                     round_trip_failures: vec!["not checked (brief report)".into()],
-                    ..Default::default()
+                    ..self.report_of(plan)
                 });
             }
             // What the report says of the rank, as it is now; the round trip, where one runs,
@@ -468,13 +461,6 @@ impl Rank {
             let canonical = id.canonical_text();
             let geometry_text: String = canonical.lines().filter(|l| !l.starts_with("rank=")).map(|l| format!("{l}\n")).collect();
             Ok(pb::RankReport {
-                tp_size: plan.tp_size as u32,
-                tp_rank: plan.tp_rank as u32,
-                dp_size: plan.dp_size as u32,
-                dp_rank: plan.dp_rank as u32,
-                host: self.host.clone(),
-                device: backend.name(),
-                pid: std::process::id(),
                 load_format: w.load_format.to_string(),
                 source: w.source.clone(),
                 checkpoint_version: source.version(),
@@ -511,10 +497,25 @@ impl Rank {
                 previous_version,
                 load_path: load_path.into(),
                 spare_buffers,
+                ..self.report_of(&plan)
             })
         };
         // The round trip of a staged version is background work too.
         if shadow { crate::background::run(work) } else { work() }
+    }
+
+    /// Who the report is of: the rank's place in the cluster, its host, device and process.
+    fn report_of(&self, plan: &Plan) -> pb::RankReport {
+        pb::RankReport {
+            tp_size: plan.tp_size as u32,
+            tp_rank: plan.tp_rank as u32,
+            dp_size: plan.dp_size as u32,
+            dp_rank: plan.dp_rank as u32,
+            host: self.host.clone(),
+            device: self.backend.name(),
+            pid: std::process::id(),
+            ..Default::default()
+        }
     }
 
     /// A probe of the active weights (`shadow`: of the staged ones), whole or in halves (a
