@@ -13,7 +13,8 @@
 //!   the rotation that routes probes around the replicas out of it.
 //! - `journal`, `recover`: the update's write-ahead journal, and a dead coordinator's restart
 //!   from it.
-//! - `consistency`: the per-rank consistency report and its findings.
+//! - `consistency`: the per-rank consistency report: its types and rows, the cross-rank rules
+//!   (`rules`) and the text (`render`).
 //! - `metrics`, `schemas`: Prometheus metrics and the JSON Schemas of the `--json` documents.
 
 pub mod cli;
