@@ -23,7 +23,7 @@ use std::time::Instant;
 use orchestrator_model::AllowedRoots;
 use orchestrator_model::checkpoint::{ContentClaim, VersionFrom};
 use orchestrator_model::inspect::inspect;
-use orchestrator_model::{Checkpoint, ModelConfig};
+use orchestrator_model::{Checkpoint, Geometry, ModelConfig, WeightFormat};
 use orchestrator_proto::limits;
 use orchestrator_proto::v1 as pb;
 use orchestrator_worker::probe::ProbeSpec;
@@ -421,25 +421,54 @@ pub struct Validated {
     pub inspected_before: bool,
 }
 
+/// Why a new checkpoint is refused before any replica is touched.
+#[derive(Debug, thiserror::Error)]
+pub enum ValidationError {
+    /// The directory is not under the allowed roots.
+    #[error("new checkpoint: {0}")]
+    Roots(orchestrator_model::RootsError),
+    /// It cannot be opened as a checkpoint (a file outside the roots, a missing or malformed
+    /// file, a tensor of another shape or dtype).
+    #[error("new checkpoint {}: {error}", dir.display())]
+    Unreadable { dir: PathBuf, error: Box<orchestrator_model::ModelError> },
+    /// Another geometry or weight format than the running plan's.
+    #[error("new checkpoint {} has geometry {geometry:?} / {format:?}, the running plan {running_geometry:?} / {running_format:?}", dir.display())]
+    OtherGeometry {
+        dir: PathBuf,
+        geometry: Box<Geometry>,
+        format: WeightFormat,
+        running_geometry: Box<Geometry>,
+        running_format: WeightFormat,
+    },
+    /// Values the loader refuses (a NaN scale or element, a value that is not finite), as
+    /// `checkpoint inspect` lists them.
+    #[error("new checkpoint {} is invalid: {}", dir.display(), problems.join("; "))]
+    Invalid { dir: PathBuf, problems: Vec<String> },
+}
+
 /// Validates the new checkpoint against the running plan and the allowed roots before any
 /// replica is touched: the new version, and the claim on it that lets each worker on this host
 /// adopt the version instead of hashing the checkpoint again. With `known`, a checkpoint this
 /// coordinator hashed before adopts that version when its files are the same, and the claim
 /// made here is kept for the next time.
-pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots, known: Option<&KnownClaims>) -> Result<Validated, String> {
-    let dir = roots.check(dir).map_err(|e| format!("new checkpoint: {e}"))?;
+pub fn validate(
+    dir: &Path,
+    running: &ModelConfig,
+    roots: &AllowedRoots,
+    known: Option<&KnownClaims>,
+) -> Result<Validated, ValidationError> {
+    let dir = roots.check(dir).map_err(ValidationError::Roots)?;
     let before = known.and_then(|k| k.get(&dir));
     let ck = Checkpoint::open_within_claimed(&dir, roots, before.as_ref().map(|k| &k.claim))
-        .map_err(|e| format!("new checkpoint {}: {e}", dir.display()))?;
+        .map_err(|e| ValidationError::Unreadable { dir: dir.clone(), error: Box::new(e) })?;
     if ck.config.geometry != running.geometry || ck.config.format != running.format {
-        return Err(format!(
-            "new checkpoint {} has geometry {:?} / {:?}, the running plan {:?} / {:?}",
-            dir.display(),
-            ck.config.geometry,
-            ck.config.format,
-            running.geometry,
-            running.format
-        ));
+        return Err(ValidationError::OtherGeometry {
+            dir,
+            geometry: Box::new(ck.config.geometry.clone()),
+            format: ck.config.format,
+            running_geometry: Box::new(running.geometry.clone()),
+            running_format: running.format,
+        });
     }
     let adopted = ck.version_from() == VersionFrom::Claim;
     // The same frame and files as bytes an earlier validation inspected: the same values.
@@ -447,7 +476,7 @@ pub fn validate(dir: &Path, running: &ModelConfig, roots: &AllowedRoots, known: 
     if !inspected_before {
         let report = inspect(&ck);
         if !report.valid {
-            return Err(format!("new checkpoint {} is invalid: {}", dir.display(), report.problems.join("; ")));
+            return Err(ValidationError::Invalid { dir, problems: report.problems });
         }
     }
     let claim = ck.content_claim();
@@ -1265,6 +1294,40 @@ mod tests {
             let kind = serde_json::to_value(UpdateFailureKind::from(rule)).unwrap();
             assert_eq!(kind, rule.label(), "{rule:?}");
         }
+    }
+
+    /// A new checkpoint is refused by kind: outside the roots, unreadable, another geometry;
+    /// one that passes gives its content version.
+    #[test]
+    fn validation_refuses_by_kind_and_adopts_a_known_claim() {
+        use orchestrator_model::Preset;
+        use orchestrator_model::synth::{SynthOptions, write_checkpoint};
+        let tmp = tempfile::tempdir().unwrap();
+        let config = |layers| ModelConfig::from_preset(Preset::Tiny, Some(layers), false).unwrap();
+        for (name, layers) in [("one", 1), ("two", 2)] {
+            let opts = SynthOptions { config: config(layers), seed: 1, max_shard_bytes: 1 << 30, preset_name: None };
+            write_checkpoint(&tmp.path().join(name), &opts).unwrap();
+        }
+        std::fs::create_dir(tmp.path().join("empty")).unwrap();
+        let roots = AllowedRoots::new(&[tmp.path().to_path_buf()]).unwrap();
+        let running = config(1);
+        let known = KnownClaims::default();
+        let check = |name: &str| validate(&tmp.path().join(name), &running, &roots, Some(&known));
+
+        let e = validate(&tmp.path().join("one"), &running, &AllowedRoots::default(), None).err().unwrap();
+        assert!(matches!(e, ValidationError::Roots(_)), "{e}");
+        assert!(e.to_string().starts_with("new checkpoint: "), "{e}");
+        let e = check("empty").err().unwrap();
+        assert!(matches!(&e, ValidationError::Unreadable { dir, .. } if dir.ends_with("empty")), "{e}");
+        let e = check("two").err().unwrap();
+        assert!(matches!(&e, ValidationError::OtherGeometry { running_geometry, .. } if running_geometry.layers == 1), "{e}");
+        assert!(e.to_string().contains("has geometry") && e.to_string().contains("the running plan"), "{e}");
+
+        // Files written a moment ago get no claim (the e2e update tests adopt one).
+        let passed = check("one").unwrap();
+        let opened = Checkpoint::open(&tmp.path().join("one")).unwrap();
+        assert_eq!(passed.version, opened.content_version());
+        assert!(!passed.adopted && !passed.inspected_before);
     }
 
     #[test]
