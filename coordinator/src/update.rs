@@ -56,27 +56,56 @@ pub struct UpdatePlan<'a> {
     pub known: Option<Arc<KnownClaims>>,
 }
 
+/// What is wrong with a replica's probe.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ProbeProblem {
+    /// A rank did not answer.
+    #[error("{0}")]
+    Rank(RankError),
+    #[error("a rank's probe is out of tolerance")]
+    OutOfTolerance,
+    /// The ranks probed different versions: each worker's.
+    #[error("the group's ranks hold different versions ({})", .0.iter().map(|(id, v)| format!("worker {id}: {v}")).collect::<Vec<_>>().join(", "))]
+    Versions(Vec<(u32, String)>),
+    #[error("the group's ranks disagree on y")]
+    YDisagrees,
+    #[error("the replica has no ranks")]
+    NoRanks,
+}
+
+/// Every problem of a replica's probe, in the order found (at least one).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProbeProblems(pub Vec<ProbeProblem>);
+
+impl std::fmt::Display for ProbeProblems {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let all: Vec<String> = self.0.iter().map(ToString::to_string).collect();
+        f.write_str(&all.join("; "))
+    }
+}
+
+impl std::error::Error for ProbeProblems {}
+
 /// One replica's probe, judged: every rank answered within tolerance, on one version, with one
-/// `y`. The version and `y` when it passed; why not otherwise.
-pub fn judge_probe(results: &RankResults<pb::ProbeResult>) -> Result<(String, String), String> {
-    let mut errors: Vec<String> = results.values().filter_map(|r| r.as_ref().err().map(ToString::to_string)).collect();
+/// `y`. The version and `y` when it passed; every problem otherwise.
+pub fn judge_probe(results: &RankResults<pb::ProbeResult>) -> Result<(String, String), ProbeProblems> {
+    let mut problems: Vec<ProbeProblem> = results.values().filter_map(|r| r.as_ref().err().cloned().map(ProbeProblem::Rank)).collect();
     let probes: Vec<(&u32, &pb::ProbeResult)> = results.iter().filter_map(|(id, r)| r.as_ref().ok().map(|p| (id, p))).collect();
     if probes.iter().any(|(_, p)| !p.ok) {
-        errors.push("a rank's probe is out of tolerance".into());
+        problems.push(ProbeProblem::OutOfTolerance);
     }
     if probes.windows(2).any(|w| w[0].1.probed_version != w[1].1.probed_version) {
-        let seen: Vec<String> = probes.iter().map(|(id, p)| format!("worker {id}: {}", p.probed_version)).collect();
-        errors.push(format!("the group's ranks hold different versions ({})", seen.join(", ")));
+        problems.push(ProbeProblem::Versions(probes.iter().map(|(id, p)| (**id, p.probed_version.clone())).collect()));
     }
     if probes.windows(2).any(|w| w[0].1.y_digest != w[1].1.y_digest) {
-        errors.push("the group's ranks disagree on y".into());
+        problems.push(ProbeProblem::YDisagrees);
     }
     if results.is_empty() {
-        errors.push("the replica has no ranks".into());
+        problems.push(ProbeProblem::NoRanks);
     }
-    match (errors.is_empty(), probes.first()) {
+    match (problems.is_empty(), probes.first()) {
         (true, Some((_, p))) => Ok((p.probed_version.clone(), p.y_digest.clone())),
-        _ => Err(errors.join("; ")),
+        _ => Err(ProbeProblems(problems)),
     }
 }
 
@@ -142,8 +171,21 @@ pub async fn try_reinstate(
     spec: ProbeSpec,
     proof: Proof<'_>,
     by_update: bool,
-) -> Result<String, String> {
+) -> Result<String, ReinstateError> {
     reinstate(cluster, rotation, dp, spec, proof, by_update).await.map(|(version, _)| version)
+}
+
+/// Why a replica did not return to rotation.
+#[derive(Debug, thiserror::Error)]
+pub enum ReinstateError {
+    #[error("{0}")]
+    Probe(#[from] ProbeProblems),
+    /// After a swap, the group probes another version or `y` than the one verified staged.
+    #[error("after the swap the group probes version {version} with y {y}; verified before it: {verified} with y {verified_y}")]
+    NotAsVerified { version: String, y: String, verified: String, verified_y: String },
+    /// The probe passed, but the replica is not free to serve (a dead rank; an update owns it).
+    #[error("probe passed on {version}, but the replica is not free to serve")]
+    NotFree { version: String },
 }
 
 /// [`try_reinstate`], with the probe's answers by worker when it passed.
@@ -154,7 +196,7 @@ async fn reinstate(
     spec: ProbeSpec,
     proof: Proof<'_>,
     by_update: bool,
-) -> Result<(String, RankResults<pb::ProbeResult>), String> {
+) -> Result<(String, RankResults<pb::ProbeResult>), ReinstateError> {
     let skip_reference = matches!(proof, Proof::SameAsStaged { reference: false, .. });
     let asked = (spec.tokens as u32, spec.latents as u32, spec.seed);
     // Right after a commit every rank answers from the verification probe it kept of the very
@@ -173,13 +215,9 @@ async fn reinstate(
     if let Proof::SameAsStaged { version: want, y: want_y, .. } = proof
         && (version != want || y != want_y)
     {
-        return Err(format!("after the swap the group probes version {version} with y {y}; verified before it: {want} with y {want_y}"));
+        return Err(ReinstateError::NotAsVerified { version, y, verified: want.to_string(), verified_y: want_y.to_string() });
     }
-    if rotation.reinstate(dp, &version, by_update) {
-        Ok((version, results))
-    } else {
-        Err(format!("probe passed on {version}, but the replica is not free to serve"))
-    }
+    if rotation.reinstate(dp, &version, by_update) { Ok((version, results)) } else { Err(ReinstateError::NotFree { version }) }
 }
 
 /// The probe that brought a replica back into rotation right after its swap: the same probe,
@@ -1294,6 +1332,40 @@ mod tests {
             let kind = serde_json::to_value(UpdateFailureKind::from(rule)).unwrap();
             assert_eq!(kind, rule.label(), "{rule:?}");
         }
+    }
+
+    /// A replica's probe passes only when every rank answered within tolerance on one version
+    /// with one `y`; otherwise every problem is named, in order, by kind.
+    #[test]
+    fn a_replicas_probe_is_judged_with_every_problem_by_kind() {
+        let answer = |version: &str, y: &str, ok: bool| pb::ProbeResult {
+            probed_version: version.into(),
+            y_digest: y.into(),
+            ok,
+            ..Default::default()
+        };
+        let of = |answers: Vec<Result<pb::ProbeResult, RankError>>| -> RankResults<pb::ProbeResult> {
+            answers.into_iter().enumerate().map(|(id, a)| (id as u32, a)).collect()
+        };
+        assert_eq!(judge_probe(&of(vec![Ok(answer("v", "y", true)), Ok(answer("v", "y", true))])), Ok(("v".into(), "y".into())));
+        assert_eq!(judge_probe(&of(vec![])), Err(ProbeProblems(vec![ProbeProblem::NoRanks])));
+        let unreachable = RankError::NotConnected { rank: "rank dp0/tp1 (worker 1)".into() };
+        let problems =
+            judge_probe(&of(vec![Ok(answer("v", "y", false)), Err(unreachable.clone()), Ok(answer("w", "z", true))])).unwrap_err();
+        assert_eq!(
+            problems,
+            ProbeProblems(vec![
+                ProbeProblem::Rank(unreachable),
+                ProbeProblem::OutOfTolerance,
+                ProbeProblem::Versions(vec![(0, "v".into()), (2, "w".into())]),
+                ProbeProblem::YDisagrees,
+            ])
+        );
+        assert_eq!(
+            problems.to_string(),
+            "rank dp0/tp1 (worker 1) is not connected; a rank's probe is out of tolerance; \
+             the group's ranks hold different versions (worker 0: v, worker 2: w); the group's ranks disagree on y"
+        );
     }
 
     /// A new checkpoint is refused by kind: outside the roots, unreadable, another geometry;
