@@ -68,6 +68,8 @@ pub struct LaunchPlan {
     pub health_listen: Option<SocketAddr>,
     /// Serve Prometheus metrics at `http://ADDR/metrics`.
     pub metrics_listen: Option<SocketAddr>,
+    /// Where to say, as JSON, how to call the cluster once it serves.
+    pub ready_file: Option<PathBuf>,
 }
 
 /// Who starts a cluster's workers.
@@ -302,7 +304,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
     emit_report(&report);
 
     if serve {
-        endpoint.serve(Arc::new(session), &plan.token_file).await;
+        endpoint.serve(Arc::new(session), &plan.token_file, plan.ready_file.as_deref()).await;
     } else {
         session.cluster.shutdown().await;
         if let Some(j) = &session.journal {

@@ -251,7 +251,12 @@ async fn resolve(
 /// Runs a recovery, then serves; returns whether the final report is clean. A state directory
 /// whose coordinator is alive is refused before anything is touched (its lock is held); the
 /// token file is taken over only once this coordinator listens where the old one did.
-pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&ConsistencyReport)) -> anyhow::Result<bool> {
+pub async fn recover(
+    state_dir: &Path,
+    how: Resolve,
+    ready_file: Option<&Path>,
+    emit_report: impl Fn(&ConsistencyReport),
+) -> anyhow::Result<bool> {
     let start = Instant::now();
     let (journal, replayed) = Journal::open(state_dir)?;
     anyhow::ensure!(
@@ -348,7 +353,7 @@ pub async fn recover(state_dir: &Path, how: Resolve, emit_report: impl Fn(&Consi
     // From here the cluster is this coordinator's: a token file the launch generated in the state
     // directory goes when it shuts down (before, a failed recovery leaves it for a retry).
     let _token_file = TokenFileGuard(plan.token_file.starts_with(state_dir).then(|| plan.token_file.clone()));
-    endpoint.serve(Arc::new(session), &plan.token_file).await;
+    endpoint.serve(Arc::new(session), &plan.token_file, ready_file).await;
     endpoint.stop().await;
     Ok(resolved && report.ok)
 }

@@ -2,13 +2,15 @@
 //! token) and the `--serve` loop shared by `launch` and `recover`.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use orchestrator_net::auth::Token;
 use orchestrator_net::tls::TlsFiles;
 use orchestrator_proto::v1::coordinator_server::CoordinatorServer;
 use tokio::sync::Notify;
+
+use serde::{Deserialize, Serialize};
 
 use crate::cluster::Registry;
 use crate::journal::Event;
@@ -72,7 +74,8 @@ impl Endpoint {
     /// Serves `session` (with its health loop) until the Shutdown RPC, Ctrl-C or SIGTERM, then
     /// stops its workers (and records the shutdown in the journal). Shutdown waits for nothing a
     /// running report, update or probe holds.
-    pub async fn serve(&self, session: Arc<Session>, token_file: &Path) {
+    /// `ready_file`: written once it serves ([`Ready`]), removed when it stops.
+    pub async fn serve(&self, session: Arc<Session>, token_file: &Path, ready_file: Option<&Path>) {
         let signal = orchestrator_net::grpc::shutdown_signal();
         let mut auth = format!("--coordinator {} --token-file {}", self.public_url, token_file.display());
         if let Some(t) = &self.tls {
@@ -83,12 +86,27 @@ impl Endpoint {
         // as soon as it is printed finds the cluster serving.
         *self.session.write().unwrap_or_else(|p| p.into_inner()) = Some(session);
         orchestrator_ops::status!(; "serving: `orchestrator report {auth}` re-runs the checks; `orchestrator shutdown {auth}` stops");
+        if let Some(path) = ready_file {
+            let ready = Ready {
+                coordinator: self.public_url.clone(),
+                token_file: token_file.to_path_buf(),
+                tls_dir: self.tls.as_ref().map(|t| t.dir.clone()),
+                pid: std::process::id(),
+            };
+            if let Err(e) = ready.write(path) {
+                tracing::error!("--ready-file {}: {e}", path.display());
+                eprintln!("error: --ready-file {}: {e}", path.display());
+            }
+        }
         tokio::select! {
             _ = self.shutdown.notified() => {}
             _ = signal => {}
         }
         health.abort();
         self.health.set(false).await;
+        if let Some(path) = ready_file {
+            let _ = std::fs::remove_file(path);
+        }
         let session = self.session.write().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(session) = session {
             session.cluster.shutdown().await;
@@ -102,5 +120,67 @@ impl Endpoint {
     pub async fn stop(self) {
         self.stop.notify_one();
         let _ = self.task.await;
+    }
+}
+
+/// What `--ready-file` holds while the cluster serves: how to call it, as the `serving:` line
+/// says it, for scripts and tests that should not read the line.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ready {
+    /// The `--coordinator` URL to call.
+    pub coordinator: String,
+    /// The `--token-file` to call with.
+    pub token_file: PathBuf,
+    /// The `--tls-dir` to call with, when the control plane runs over TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_dir: Option<PathBuf>,
+    /// The serving process.
+    pub pid: u32,
+}
+
+impl Ready {
+    /// Writes the file whole: a temporary file beside it, renamed over it, so a reader finds
+    /// either no file or all of it.
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(".{}.tmp", std::process::id()));
+        let tmp = PathBuf::from(tmp);
+        let text = serde_json::to_string(self).map_err(std::io::Error::other)?;
+        std::fs::write(&tmp, text + "\n")?;
+        std::fs::rename(&tmp, path).inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
+    }
+
+    /// Removes a ready file left by an earlier run, before this one starts (a script waiting for
+    /// the file must not read a stale one): an error names the flag.
+    pub fn clear(path: &Path) -> anyhow::Result<()> {
+        match std::fs::remove_file(path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => anyhow::bail!("--ready-file {}: {e}", path.display()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ready_file_is_written_whole_and_read_back_and_a_stale_one_is_cleared() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("ready.json");
+        Ready::clear(&path).unwrap();
+        let ready = Ready { coordinator: "http://127.0.0.1:5".into(), token_file: "/t".into(), tls_dir: None, pid: 7 };
+        ready.write(&path).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, "{\"coordinator\":\"http://127.0.0.1:5\",\"token_file\":\"/t\",\"pid\":7}\n");
+        assert_eq!(serde_json::from_str::<Ready>(&text).unwrap(), ready);
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1, "no temporary file left");
+        Ready::clear(&path).unwrap();
+        assert!(!path.exists());
+        let e = Ready::clear(tmp.path()).unwrap_err();
+        assert!(e.to_string().starts_with("--ready-file "), "{e}");
     }
 }

@@ -2,10 +2,11 @@
 --serve`, scraped and driven as an operator would. `ORCHESTRATOR_BIN_DIR` names the directory
 of `orchestrator` and `orchestrator-worker` (default: the workspace's target/debug)."""
 
+import json
 import os
-import re
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
@@ -55,26 +56,29 @@ def scrape(port: int, openmetrics: bool = True) -> str:
 
 
 class Served:
-    """`orchestrator launch --serve ...` until it announces the cluster; stopped on close."""
-
-    ANNOUNCE = re.compile(r"serving: `orchestrator report --coordinator (\S+) --token-file (\S+)`")
+    """`orchestrator launch --serve ...` until its `--ready-file` says how to call the cluster;
+    stopped on close."""
 
     def __init__(self, *args: str):
         self.metrics_port = free_port()
-        cmd = [bin_path("orchestrator"), "launch", "--serve", "--metrics-listen", f"127.0.0.1:{self.metrics_port}", *args]
+        self.ready_dir = tempfile.TemporaryDirectory()
+        ready_file = Path(self.ready_dir.name) / "ready.json"
+        cmd = [
+            bin_path("orchestrator"), "launch", "--serve", "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
+            "--ready-file", str(ready_file), *args,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []
-        self.coordinator = self.token_file = None
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-            m = self.ANNOUNCE.search(line)
-            if m:
-                self.coordinator, self.token_file = m.group(1), m.group(2)
-                break
-        if self.coordinator is None:
-            self.proc.kill()
-            raise AssertionError("the cluster did not come up:\n" + "".join(self.stderr))
         threading.Thread(target=lambda: [self.stderr.append(line) for line in self.proc.stderr], daemon=True).start()
+        deadline = time.monotonic() + 120
+        while not ready_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError("the cluster did not come up:\n" + "".join(self.stderr))
+            time.sleep(0.02)
+        ready = json.loads(ready_file.read_text())
+        assert ready["pid"] == self.proc.pid, ready
+        self.coordinator, self.token_file = ready["coordinator"], ready["token_file"]
 
     def cli(self, verb: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return run(verb, "--coordinator", self.coordinator, "--token-file", self.token_file, *args, check=check)
@@ -90,6 +94,7 @@ class Served:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self.ready_dir.cleanup()
 
 
 @pytest.fixture

@@ -47,6 +47,8 @@ pub struct Served {
     pub token: String,
     /// `--tls-dir DIR` when the cluster runs over TLS.
     pub tls: Vec<String>,
+    /// Holds the cluster's `--ready-file`.
+    _ready: tempfile::TempDir,
 }
 
 /// Gives a coordinator asked to shut down up to 10 s to stop its workers (adopted and remote
@@ -91,28 +93,41 @@ impl Served {
         Self::announced(&full)
     }
 
-    /// Runs `orchestrator ARGS` until it announces the served cluster (stderr is drained on).
+    /// Runs `orchestrator ARGS --ready-file FILE` until it writes the file, which says how to
+    /// call the served cluster (its stderr is kept, for the panic of one that never serves).
     fn announced(args: &[&str]) -> Self {
-        let mut child = Command::new(bin("orchestrator")).args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let mut announced = None;
-        let mut seen = Vec::new();
-        for line in lines.by_ref() {
-            let line = line.unwrap();
-            if let Some(rest) = line.strip_prefix("serving: `orchestrator report --coordinator ") {
-                announced = Some(rest.split('`').next().unwrap().to_string());
-                break;
+        let dir = tempfile::tempdir().unwrap();
+        let ready_file = dir.path().join("ready.json");
+        let mut child = Command::new(bin("orchestrator"))
+            .args(args)
+            .arg("--ready-file")
+            .arg(&ready_file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let said = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().unwrap();
+        std::thread::spawn({
+            let said = said.clone();
+            move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    said.lock().unwrap().push(line);
+                }
             }
-            seen.push(line);
-        }
-        std::thread::spawn(move || for _ in lines {});
-        let announced = announced.unwrap_or_else(|| panic!("`orchestrator {}` did not come up:\n{}", args.join(" "), seen.join("\n")));
-        let (coordinator, rest) = announced.split_once(" --token-file ").unwrap();
-        let (token, tls) = match rest.split_once(" --tls-dir ") {
-            Some((token, dir)) => (token, vec!["--tls-dir".to_string(), dir.to_string()]),
-            None => (rest, Vec::new()),
+        });
+        let ready: serde_json::Value = loop {
+            if let Ok(text) = std::fs::read_to_string(&ready_file) {
+                break serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}: {text}", ready_file.display()));
+            }
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("`orchestrator {}` did not come up ({status}):\n{}", args.join(" "), said.lock().unwrap().join("\n"));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
         };
-        Self { child, coordinator: coordinator.into(), token: token.into(), tls }
+        let field = |name: &str| ready[name].as_str().unwrap_or_else(|| panic!("the ready file has no {name}: {ready}")).to_string();
+        let tls = ready["tls_dir"].as_str().map(|d| vec!["--tls-dir".to_string(), d.to_string()]).unwrap_or_default();
+        Self { child, coordinator: field("coordinator"), token: field("token_file"), tls, _ready: dir }
     }
 
     /// Kills the coordinator process outright (its workers stay up).

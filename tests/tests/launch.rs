@@ -234,3 +234,41 @@ fn sigterm_stops_a_served_cluster_and_its_workers() {
     }
     assert!(!std::path::Path::new(&cluster.token).exists(), "the generated token file {} was left behind", cluster.token);
 }
+
+/// `--ready-file`: a stale file is replaced (a waiter tells the launch's own by its pid); once
+/// the cluster serves the file says, as JSON, how to call it (a report through those values
+/// passes), and it is gone once the cluster shut down.
+#[test]
+fn a_served_launch_writes_its_ready_file_and_removes_it_when_it_stops() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ready_file = tmp.path().join("ready.json");
+    std::fs::write(&ready_file, "stale").unwrap();
+    let mut child = Command::new(orchestrator_e2e::bin("orchestrator"))
+        .args(["launch", "--serve", "--dummy", "--preset", "tiny", "--layers", "1", "--tp", "2", "--ready-file"])
+        .arg(&ready_file)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let ready: Value = loop {
+        let read = std::fs::read_to_string(&ready_file).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok());
+        if let Some(ready) = read.filter(|r| r["pid"].as_u64() == Some(child.id() as u64)) {
+            break ready;
+        }
+        assert!(child.try_wait().unwrap().is_none() && start.elapsed() < Duration::from_secs(60), "the launch never served");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(ready.get("tls_dir").is_none(), "{ready}");
+    let (url, token) = (ready["coordinator"].as_str().unwrap(), ready["token_file"].as_str().unwrap());
+    let report = run("orchestrator", &["report", "--coordinator", url, "--token-file", token]);
+    assert!(report.status.success() && stdout(&report).contains("CONSISTENT"), "{}{}", stdout(&report), stderr(&report));
+    let stop = run("orchestrator", &["shutdown", "--coordinator", url, "--token-file", token]);
+    assert!(stop.status.success(), "{}", stderr(&stop));
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        assert!(start.elapsed() < Duration::from_secs(30), "the launch did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!ready_file.exists(), "the ready file outlived the cluster");
+}

@@ -5,7 +5,6 @@
 //! half that capacity, and prints update / load, the latency percentiles before and during the
 //! update, and the failed probes.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -386,40 +385,34 @@ struct Cluster {
 }
 
 impl Cluster {
-    /// `log`: where the launch's log (its workers' included) goes once it serves.
+    /// `log`: where the launch's log (its workers' included) goes. Serving once it wrote its
+    /// ready file (`--ready-file`, beside the log).
     fn launch(args: &[String], log: &Path) -> anyhow::Result<Self> {
-        let exe = std::env::current_exe()?;
-        let mut child = Command::new(exe).arg("launch").args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+        let ready_file = log.with_extension("ready.json");
+        crate::server::Ready::clear(&ready_file)?;
+        let stderr = std::fs::File::create(log).with_context(|| format!("creating the served launch's log {}", log.display()))?;
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("launch")
+            .args(args)
+            .arg("--ready-file")
+            .arg(&ready_file)
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()?;
         // The launch's own report goes to stdout: drained, so that it never blocks on a full pipe.
         let mut stdout = child.stdout.take().context("launch stdout")?;
         std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
-        let mut lines = BufReader::new(child.stderr.take().context("launch stderr")?).lines();
-        let mut seen = Vec::new();
-        let announced = loop {
-            match lines.next() {
-                Some(Ok(l)) => {
-                    if let Some(rest) = l.strip_prefix("serving: `orchestrator report --coordinator ") {
-                        break rest.split('`').next().unwrap_or_default().to_string();
-                    }
-                    seen.push(l);
-                }
-                _ => anyhow::bail!("the launch ended before serving:\n{}", seen.join("\n")),
+        let ready = loop {
+            if let Ok(text) = std::fs::read_to_string(&ready_file) {
+                break serde_json::from_str::<crate::server::Ready>(&text).with_context(|| format!("{}", ready_file.display()))?;
             }
+            if let Some(status) = child.try_wait()? {
+                let said = std::fs::read_to_string(log).unwrap_or_default();
+                anyhow::bail!("the launch ended ({status}) before serving:\n{said}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
         };
-        let mut file = std::io::BufWriter::new(
-            std::fs::File::create(log).with_context(|| format!("creating the served launch's log {}", log.display()))?,
-        );
-        std::thread::spawn(move || {
-            use std::io::Write;
-            for line in seen.into_iter().map(Ok).chain(lines) {
-                let Ok(line) = line else { break };
-                if writeln!(file, "{line}").and_then(|()| file.flush()).is_err() {
-                    break;
-                }
-            }
-        });
-        let (url, token) = announced.split_once(" --token-file ").context("the serving line")?;
-        Ok(Self { child, url: url.to_string(), token: PathBuf::from(token) })
+        Ok(Self { child, url: ready.coordinator, token: ready.token_file })
     }
 }
 

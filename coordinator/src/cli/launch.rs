@@ -99,6 +99,11 @@ pub struct PlanArgs {
     /// and up, each replica's version, updates, verification failures, routed probes.
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<std::net::SocketAddr>,
+    /// Once the cluster serves, write FILE: one JSON object with how to call it (`coordinator`,
+    /// `token_file`, `tls_dir`, `pid`), written whole; removed when it stops. A script waits for
+    /// the file instead of reading the `serving:` line.
+    #[arg(long, value_name = "FILE")]
+    ready_file: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -248,6 +253,9 @@ fn resolve(
         }
         None => None,
     };
+    if let Some(f) = &a.ready_file {
+        crate::server::Ready::clear(f)?;
+    }
     let journal = state_dir.as_deref().map(journal::Journal::create).transpose()?.map(std::sync::Arc::new);
     let TokenChoice { token, file: token_file, generated: token_generated } = token(state_dir.as_deref())?;
     Ok(launch::LaunchPlan {
@@ -274,6 +282,7 @@ fn resolve(
         keep_staging_buffers: a.keep_staging_buffers,
         health_listen: a.health_listen,
         metrics_listen: a.metrics_listen,
+        ready_file: a.ready_file.clone(),
     })
 }
 

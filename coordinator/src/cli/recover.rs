@@ -19,16 +19,23 @@ pub struct RecoverArgs {
     /// Print the report as one JSON document.
     #[arg(long)]
     json: bool,
+    /// Once the cluster serves, write FILE: one JSON object with how to call it (`coordinator`,
+    /// `token_file`, `tls_dir`, `pid`), written whole; removed when it stops.
+    #[arg(long, value_name = "FILE")]
+    ready_file: Option<PathBuf>,
 }
 
 /// Takes the cluster over from the journal, finishing or rolling back its update, and serves:
 /// true when the final report is clean.
 pub fn recover_cmd(a: RecoverArgs) -> anyhow::Result<bool> {
     let dir = a.state_dir.canonicalize().with_context(|| format!("--state-dir {}", a.state_dir.display()))?;
+    if let Some(f) = &a.ready_file {
+        crate::server::Ready::clear(f)?;
+    }
     let how = if a.rollback { recover::Resolve::Rollback } else { recover::Resolve::Finish };
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let json = a.json;
-    runtime.block_on(recover::recover(&dir, how, |report| {
+    runtime.block_on(recover::recover(&dir, how, a.ready_file.as_deref(), |report| {
         if json {
             emit(&format!("{}\n", serde_json::to_string_pretty(report).unwrap_or_default()));
         } else {
