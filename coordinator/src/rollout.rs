@@ -74,22 +74,35 @@ pub fn commit_status(target: &str, ranks: &[RankView], limit: Duration) -> Commi
     }
 }
 
-/// What verification concluded for a group.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Decision {
+/// What verification concluded for a group: commit, or abort for the verification's failure
+/// `F`, or abort for the ranks found down at the decision point.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision<F> {
     Commit,
-    Abort { why: String },
+    /// Verification failed: abort, for its reason.
+    Failed(F),
+    /// Verification passed, but these ranks were down when the commit was to be decided.
+    Unhealthy {
+        ranks: Vec<crate::cluster::RankDown>,
+    },
 }
 
 /// The decision after staging and verification: commit only when verification passed and every
 /// rank is still healthy at the decision point (a rank that stalls now would only delay the
 /// swap, but one already known to be down would leave the commit pending for nothing).
-pub fn decide(verification: Result<(), String>, unhealthy: &[String]) -> Decision {
+pub fn decide<F>(verification: Result<(), F>, down: Vec<crate::cluster::RankDown>) -> Decision<F> {
     match verification {
-        Err(why) => Decision::Abort { why },
-        Ok(()) if !unhealthy.is_empty() => Decision::Abort { why: format!("before the commit decision: {}", unhealthy.join("; ")) },
+        Err(why) => Decision::Failed(why),
+        Ok(()) if !down.is_empty() => Decision::Unhealthy { ranks: down },
         Ok(()) => Decision::Commit,
     }
+}
+
+/// Why the ranks down at the decision point ([`Decision::Unhealthy`]) abort it, as the update's
+/// report says it.
+pub fn unhealthy_why(ranks: &[crate::cluster::RankDown]) -> String {
+    let ranks: Vec<String> = ranks.iter().map(ToString::to_string).collect();
+    format!("before the commit decision: {}", ranks.join("; "))
 }
 
 /// The batches of a rolling update: at most `max_unavailable` replicas at a time, and never all
@@ -197,9 +210,13 @@ mod tests {
 
     #[test]
     fn commit_is_decided_only_after_verification_with_every_rank_healthy() {
-        assert_eq!(decide(Ok(()), &[]), Decision::Commit);
-        assert_eq!(decide(Err("probe out of tolerance".into()), &[]), Decision::Abort { why: "probe out of tolerance".into() });
-        assert!(matches!(decide(Ok(()), &["rank dp0/tp1 exited".into()]), Decision::Abort { why } if why.contains("dp0/tp1")));
+        let exited = crate::cluster::RankDown::Exited { rank: "rank dp0/tp1".into(), how: "exited (exit status: 1)".into() };
+        assert_eq!(decide::<&str>(Ok(()), vec![]), Decision::Commit);
+        assert_eq!(decide(Err("probe out of tolerance"), vec![]), Decision::Failed("probe out of tolerance"));
+        // A failed verification is the reason even where a rank is down as well.
+        assert_eq!(decide(Err("probe out of tolerance"), vec![exited.clone()]), Decision::Failed("probe out of tolerance"));
+        assert_eq!(decide::<&str>(Ok(()), vec![exited.clone()]), Decision::Unhealthy { ranks: vec![exited.clone()] });
+        assert_eq!(unhealthy_why(&[exited]), "before the commit decision: rank dp0/tp1 exited (exit status: 1)");
     }
 
     #[test]

@@ -872,21 +872,22 @@ impl Roll<'_> {
                 tracing::warn!(replica = dp, version = %self.new_version, rule = e.rule.label(), "staged version failed verification: {}", e.why);
                 crate::metrics::metrics().verification_failed(e.rule.label());
             }
-            let unhealthy: Vec<String> = self.cluster.down_in(dp).await.into_iter().flatten().map(|d| d.to_string()).collect();
-            if let Decision::Abort { why } = rollout::decide(verification.as_ref().map_err(|e| e.why.clone()).copied(), &unhealthy) {
-                let f = match verification {
-                    Err(e) => UpdateFailure {
-                        kind: e.rule.into(),
-                        refused: false,
-                        replicas: vec![dp],
-                        rank: e.rank,
-                        round_trip: e.round_trip,
-                        why,
-                    },
-                    Ok(()) => UpdateFailure::of(UpdateFailureKind::UnhealthyAtDecision, vec![dp], why),
-                };
-                failure.get_or_insert((dp, f));
-            }
+            let down: Vec<_> = self.cluster.down_in(dp).await.into_iter().flatten().collect();
+            let f = match rollout::decide(verification, down) {
+                Decision::Commit => continue,
+                Decision::Failed(e) => UpdateFailure {
+                    kind: e.rule.into(),
+                    refused: false,
+                    replicas: vec![dp],
+                    rank: e.rank,
+                    round_trip: e.round_trip,
+                    why: e.why,
+                },
+                Decision::Unhealthy { ranks } => {
+                    UpdateFailure::of(UpdateFailureKind::UnhealthyAtDecision, vec![dp], rollout::unhealthy_why(&ranks))
+                }
+            };
+            failure.get_or_insert((dp, f));
         }
         let mut decided: Vec<u32> = Vec::new();
         if failure.is_none() {
