@@ -281,6 +281,12 @@ pub async fn recover(
             None => return Err(e),
         },
     };
+    let probe = match plan.probe {
+        Some((t, s, seed)) => {
+            Some(ProbeSpec::checked(t, s, seed).with_context(|| format!("{}: the plan's probe {t},{s},{seed}", journal.path().display()))?)
+        }
+        None => None,
+    };
     let endpoint = Endpoint::start(listen, token.clone(), tls.as_ref(), plan.tp * plan.dp).await?;
     eprintln!("coordinator recovered from {} on {}; adopting {} workers", journal.path().display(), endpoint.address, plan.workers.len());
     let cluster = match Cluster::adopt(plan.tp, plan.dp, &plan.workers, endpoint.registry.clone(), token, tls).await {
@@ -299,7 +305,6 @@ pub async fn recover(
     for dp in 0..plan.dp {
         rotation.pull(dp, "recovering");
     }
-    let probe = plan.probe.map(|(tokens, latents, seed)| ProbeSpec { tokens: tokens as usize, latents: latents as usize, seed });
     let update_probe = probe.unwrap_or(ProbeSpec::SERVING);
     let mut steps = Vec::new();
     settle_decisions(&cluster, &rotation, &journal, &replayed, &mut steps).await;

@@ -99,10 +99,9 @@ impl Coordinator for CoordinatorService {
 
     async fn routed_probe(&self, request: Request<pb::RoutedProbeRequest>) -> Result<Response<pb::RoutedProbeResult>, Status> {
         let r = request.into_inner();
-        orchestrator_model::limits::check_probe(r.tokens as usize, r.latents as usize)
+        let spec = orchestrator_worker::probe::ProbeSpec::checked(r.tokens, r.latents, r.seed)
             .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
         let session = self.session()?;
-        let spec = orchestrator_worker::probe::ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
         // On a task of its own, so a client that goes away cannot cut it off between a failure
         // and pulling the replica (or the ring epoch that failure starts).
         let started = std::time::Instant::now();

@@ -166,6 +166,30 @@ fn recover_refuses_a_live_state_directory_untouched() {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
+/// A journal whose plan asks for an impossible probe (edited by hand, or written by something
+/// else) is refused by `recover` with the journal and the field named, before it listens or
+/// touches the journal.
+#[test]
+fn recover_refuses_a_journal_with_an_impossible_probe() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, state) = (tmp.path().join("A"), tmp.path().join("state"));
+    synth_tiny(&a, "1");
+    let mut cluster = Served::on_checkpoint("1", "1", &a, tmp.path(), &["--state-dir", state.to_str().unwrap()]);
+    assert_eq!(journal(&state)[0]["probe"], serde_json::json!([2, 16, 0]));
+    cluster.kill_coordinator();
+    let good = std::fs::read_to_string(state.join("journal.jsonl")).unwrap();
+    for (probe, field) in [("[0,16,0]", "probe tokens"), ("[2,100000000,0]", "probe latents")] {
+        let bad = good.replacen("\"probe\":[2,16,0]", &format!("\"probe\":{probe}"), 1);
+        assert_ne!(bad, good);
+        std::fs::write(state.join("journal.jsonl"), &bad).unwrap();
+        let o = run("orchestrator", &["recover", "--state-dir", state.to_str().unwrap()]);
+        assert!(!o.status.success(), "{probe}: {}", stdout(&o));
+        assert!(stderr(&o).contains("journal.jsonl") && stderr(&o).contains(field), "{probe}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("adopting"), "{probe}: it refused before adopting anything: {}", stderr(&o));
+        assert_eq!(std::fs::read_to_string(state.join("journal.jsonl")).unwrap(), bad, "{probe}: the journal is untouched");
+    }
+}
+
 /// A journal that names a pid which is now another process (a `sleep` standing in for a reused
 /// pid) never gets that process signalled by `recover`.
 #[test]

@@ -9,6 +9,7 @@ use orchestrator_kernels::forward::{
 use orchestrator_kernels::gemm::{MxMatrix, ScaleView, WeightView};
 use orchestrator_kernels::params::{KernelTensor, ScaleLayout};
 use orchestrator_kernels::{Backend, BackendWeight, Digest, KernelError, ScaleKind, ScaleRule};
+use orchestrator_model::limits::LimitError;
 use orchestrator_model::{Generator, Geometry};
 use serde::Serialize;
 
@@ -63,6 +64,15 @@ impl ProbeSpec {
     /// health loop reinstates with where the cluster has no `--probe` of its own, the default
     /// of the load generator and of `bench update`.
     pub const SERVING: ProbeSpec = ProbeSpec { tokens: 2, latents: 16, seed: 0 };
+
+    /// A probe of the size a request, a journal or a flag gives, within the limits
+    /// ([`orchestrator_model::limits::check_probe`]: at least one token and latent, at most
+    /// the largest sizes a rank computes).
+    pub fn checked(tokens: u32, latents: u32, seed: u64) -> Result<ProbeSpec, LimitError> {
+        let spec = ProbeSpec { tokens: tokens as usize, latents: latents as usize, seed };
+        orchestrator_model::limits::check_probe(spec.tokens, spec.latents)?;
+        Ok(spec)
+    }
 
     /// The inputs every rank builds identically: `qr [T, q_lora]` and `kv [S, head_dim]`,
     /// ~N(0, 1) from the counter-based generator keyed by the seed, MXFP8-quantized (rceil).

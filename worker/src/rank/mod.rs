@@ -171,15 +171,11 @@ impl Rank {
     /// its content: background work, like the load), with its reference when asked.
     pub fn stage(&self, r: &pb::StageRequest) -> Result<Progress, RankError> {
         let s = r.source.as_ref().ok_or(RankError::StageWithoutSource)?;
-        let reference = match r.reference {
-            Some(p) => {
-                let spec = ProbeSpec { tokens: p.tokens as usize, latents: p.latents as usize, seed: p.seed };
-                orchestrator_model::limits::check_probe(spec.tokens, spec.latents)
-                    .map_err(|error| RankError::ProbeSize { context: "stage: reference", error })?;
-                Some(spec)
-            }
-            None => None,
-        };
+        let reference = r
+            .reference
+            .map(|p| ProbeSpec::checked(p.tokens, p.latents, p.seed))
+            .transpose()
+            .map_err(|error| RankError::ProbeSize { context: "stage: reference", error })?;
         let source = crate::background::run(|| LoadSource::from_pb(Some(s), &self.roots))?;
         self.start_load(Some(source), true, StageOptions { reference, defer_round_trip: r.defer_round_trip })
     }
@@ -532,9 +528,7 @@ impl Rank {
         }
         let backend: &AnyBackend = &self.backend;
         let work = || {
-            let spec = ProbeSpec { tokens: r.tokens as usize, latents: r.latents as usize, seed: r.seed };
-            orchestrator_model::limits::check_probe(spec.tokens, spec.latents)
-                .map_err(|error| RankError::ProbeSize { context: "probe", error })?;
+            let spec = ProbeSpec::checked(r.tokens, r.latents, r.seed).map_err(|error| RankError::ProbeSize { context: "probe", error })?;
             let check = !r.skip_reference;
             if r.kept {
                 // Nothing computed, no ring joined: answered from what the rank kept, or refused.
