@@ -169,6 +169,36 @@ pub struct PlanRecord {
     pub commit_timeout_ms: Option<u64>,
 }
 
+impl PlanRecord {
+    /// Whether a launch could have written this plan: a cluster shape within the limits, one
+    /// worker per rank (`id = dp * tp_size + tp`, each once), NCCL ids in hex, a commit timeout
+    /// in (0, 3600] s. Says what is wrong otherwise.
+    pub fn check(&self) -> Result<(), String> {
+        let world = orchestrator_model::limits::check_cluster(self.tp as usize, self.dp as usize, false)
+            .map_err(|e| format!("tp {} dp {}: {e}", self.tp, self.dp))?;
+        if self.workers.len() != world {
+            return Err(format!("{} workers for tp {} x dp {} = {world} ranks", self.workers.len(), self.tp, self.dp));
+        }
+        let mut seen = vec![false; world];
+        for w in &self.workers {
+            let rank = format!("worker {} (dp{}/tp{})", w.id, w.dp, w.tp);
+            if w.tp >= self.tp || w.dp >= self.dp || w.id as usize != w.dp as usize * self.tp as usize + w.tp as usize {
+                return Err(format!("{rank}: not a rank of tp {} x dp {}", self.tp, self.dp));
+            }
+            if std::mem::replace(&mut seen[w.id as usize], true) {
+                return Err(format!("{rank}: recorded twice"));
+            }
+            if from_hex(&w.nccl_unique_id).is_none() {
+                return Err(format!("{rank}: nccl_unique_id is not hex"));
+            }
+        }
+        match self.commit_timeout_ms {
+            Some(ms) if ms == 0 || ms > 3_600_000 => Err(format!("commit_timeout_ms {ms}: must be in (0, 3600000]")),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// A step of a rolling update on one replica.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -321,6 +351,12 @@ impl Journal {
             file: path.clone(),
             message: "records no launched cluster (nothing to recover)".into(),
         })?;
+        // A plan no launch could have written (edited by hand, damaged) is refused before the
+        // torn tail is cut or anything is started from it.
+        replayed
+            .plan
+            .check()
+            .map_err(|message| JournalError::Invalid { file: path.clone(), message: format!("the launched plan: {message}") })?;
         let io = |source| JournalError::Io { dir: dir.to_path_buf(), source };
         let file = OpenOptions::new().append(true).open(&path).map_err(io)?;
         if replayed.torn_tail {
@@ -609,6 +645,49 @@ mod tests {
         drop(j);
         let (_j, r) = Journal::open(tmp.path()).unwrap();
         assert_eq!(r.plan, plan());
+    }
+
+    /// A plan no launch could have written is named and refused by `open`, which leaves the
+    /// journal as it was (its torn tail included); each kind of damage is caught.
+    #[test]
+    fn a_plan_no_launch_could_write_is_refused_untouched() {
+        assert_eq!(plan().check(), Ok(()));
+        type Damage = (fn(&mut PlanRecord), &'static str);
+        let table: Vec<Damage> = vec![
+            (|p| p.dp = 0, "DP size must be at least 1"),
+            (|p| p.tp = 4096, "TP size is 4096"),
+            (|p| p.dp = u32::MAX, "world size"),
+            (|p| p.tp = 1, "4 workers for tp 1 x dp 2 = 2 ranks"),
+            (|p| p.workers[3].tp = 2, "worker 3 (dp1/tp2): not a rank"),
+            (|p| p.workers[3].id = 2, "worker 2 (dp1/tp1): not a rank"),
+            (
+                |p| {
+                    p.workers[3] = p.workers[2].clone();
+                },
+                "worker 2 (dp1/tp0): recorded twice",
+            ),
+            (|p| p.workers[0].nccl_unique_id = "zz".into(), "worker 0 (dp0/tp0): nccl_unique_id is not hex"),
+            (|p| p.commit_timeout_ms = Some(0), "commit_timeout_ms 0"),
+            (|p| p.commit_timeout_ms = Some(u64::MAX), "commit_timeout_ms 18446744073709551615"),
+        ];
+        for (damage, want) in table {
+            let mut p = plan();
+            damage(&mut p);
+            let e = p.check().unwrap_err();
+            assert!(e.contains(want), "{e} (want {want})");
+            let tmp = tempfile::tempdir().unwrap();
+            let j = Journal::create(tmp.path()).unwrap();
+            j.record(Event::Launched(p)).unwrap();
+            drop(j);
+            let path = tmp.path().join(JOURNAL_FILE);
+            let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+            f.write_all(b"{\"seq\":2,\"unix").unwrap();
+            drop(f);
+            let before = std::fs::read(&path).unwrap();
+            let e = Journal::open(tmp.path()).err().unwrap();
+            assert!(matches!(&e, JournalError::Invalid { message, .. } if message.contains(want)), "{e}");
+            assert_eq!(std::fs::read(&path).unwrap(), before, "{want}: the journal is untouched");
+        }
     }
 
     #[test]
