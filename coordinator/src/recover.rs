@@ -287,6 +287,10 @@ pub async fn recover(
         }
         None => None,
     };
+    if let Some(p) = probe {
+        let g = &config.geometry;
+        p.check_on(g, g.layers, plan.tp as usize).with_context(|| format!("{}: the plan's probe {p}", journal.path().display()))?;
+    }
     let endpoint = Endpoint::start(listen, token.clone(), tls.as_ref(), plan.tp * plan.dp).await?;
     eprintln!("coordinator recovered from {} on {}; adopting {} workers", journal.path().display(), endpoint.address, plan.workers.len());
     let cluster = match Cluster::adopt(plan.tp, plan.dp, &plan.workers, endpoint.registry.clone(), token, tls).await {

@@ -102,6 +102,10 @@ impl Coordinator for CoordinatorService {
         let spec = orchestrator_worker::probe::ProbeSpec::checked(r.tokens, r.latents, r.seed)
             .map_err(|e| Status::invalid_argument(format!("probe: {e}")))?;
         let session = self.session()?;
+        // A probe too large for the ranks is the caller's error: refused here, it takes no
+        // replica out of rotation.
+        let g = &session.config.geometry;
+        spec.check_on(g, g.layers, session.cluster.tp as usize).map_err(|e| Status::invalid_argument(format!("probe {spec}: {e}")))?;
         // On a task of its own, so a client that goes away cannot cut it off between a failure
         // and pulling the replica (or the ring epoch that failure starts).
         let started = std::time::Instant::now();

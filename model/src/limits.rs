@@ -9,7 +9,7 @@
 //! the whole checkpoint's in-scope bytes) fits a 64-bit `usize` with room to spare; those
 //! products are still formed with checked arithmetic.
 
-use crate::geometry::HEADS_PER_GROUP;
+use crate::geometry::{Geometry, HEADS_PER_GROUP};
 
 /// Decoder layers (`num_hidden_layers`). Real models: 40 to 61 (+ draft layers).
 pub const MAX_LAYERS: usize = 1024;
@@ -46,6 +46,11 @@ pub const MAX_PROBE_LATENTS: usize = 65536;
 /// `T * S`: the score matrix of one head, the largest probe buffer per head.
 pub const MAX_PROBE_ELEMENTS: usize = 1 << 28;
 
+/// Bytes of f32 values one probe holds on one rank ([`probe_bytes`]): the sizes above bound each
+/// dimension, this bounds what a probe keeps across the layers (real probes: T = 2 to 16 keep
+/// 5 to 400 MiB on DeepSeek-V4-Pro at TP 1).
+pub const MAX_PROBE_BYTES: usize = 4 << 30;
+
 /// A value over a limit, or a product that overflows.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum LimitError {
@@ -81,6 +86,38 @@ pub fn check_probe(tokens: usize, latents: usize) -> Result<usize, LimitError> {
     check("probe tokens * latents", mul("probe tokens * latents", tokens, latents)?, MAX_PROBE_ELEMENTS)
 }
 
+/// The bytes of f32 values a probe of `tokens x latents` holds on one rank of TP size `tp` over
+/// `layers` layers of `g`, at most: per token, every layer's reference output kept (`q`, `z`
+/// and the partial `y`: the reference a version keeps), one layer's kernel and reference passes
+/// at a time (`q`, the attention output `o` of `q`'s size, `z`, `y` each), and the partial `y`
+/// of every layer once more for the all-reduce, once per rank of the ring; and the latents.
+/// Checked arithmetic; `tp` is at least 1.
+pub fn probe_bytes(g: &Geometry, layers: usize, tp: usize, tokens: usize, latents: usize) -> Result<usize, LimitError> {
+    let what = "probe working set (bytes)";
+    let tp = tp.max(1);
+    let q = mul(what, g.heads.div_ceil(tp), g.head_dim)?;
+    let z = mul(what, g.o_groups.div_ceil(tp), g.o_lora_rank)?;
+    let y = g.hidden;
+    let output = q.checked_add(z).and_then(|v| v.checked_add(y));
+    let pass = output.and_then(|v| v.checked_add(q));
+    let per_token = output
+        .and_then(|o| o.checked_mul(layers))
+        .and_then(|kept| pass.and_then(|p| p.checked_mul(2)).and_then(|p| p.checked_add(kept)))
+        .and_then(|v| y.checked_mul(layers)?.checked_mul(tp.checked_add(1)?)?.checked_add(v))
+        .ok_or_else(|| LimitError::Overflow { what, detail: format!("{layers} layers of {g:?} at TP {tp}") })?;
+    let values = mul(what, per_token, tokens)?
+        .checked_add(mul(what, latents, g.head_dim)?)
+        .ok_or_else(|| LimitError::Overflow { what, detail: format!("{tokens} tokens, {latents} latents") })?;
+    mul(what, values, 4)
+}
+
+/// [`check_probe`], and the probe's [`probe_bytes`] on a rank of TP size `tp` over `layers`
+/// layers of `g` at most [`MAX_PROBE_BYTES`]. Returns the bytes.
+pub fn check_probe_on(g: &Geometry, layers: usize, tp: usize, tokens: usize, latents: usize) -> Result<usize, LimitError> {
+    check_probe(tokens, latents)?;
+    check("probe working set (bytes)", probe_bytes(g, layers, tp, tokens, latents)?, MAX_PROBE_BYTES)
+}
+
 /// Checks a cluster shape: `1 <= tp <= MAX_TP`, `dp >= 1`, `tp * dp <= MAX_WORLD_SIZE`
 /// (checked), and, for a cluster started on this host (`local`), `tp * dp <=
 /// MAX_LOCAL_WORKERS`. Returns the world size `tp * dp`.
@@ -111,6 +148,33 @@ mod tests {
         assert!(matches!(check_probe(1, 0), Err(LimitError::Zero { .. })));
         assert!(matches!(check_probe(MAX_PROBE_TOKENS + 1, 1), Err(LimitError::TooLarge { what: "probe tokens", .. })));
         assert!(matches!(check_probe(1, usize::MAX), Err(LimitError::TooLarge { what: "probe latents", .. })));
+    }
+
+    /// The working set counted by hand for one shape, and the limit where real probes and
+    /// impossible ones part.
+    #[test]
+    fn probe_working_set() {
+        use crate::Preset;
+        let flash = Preset::Dsv41Flash.geometry();
+        // dsv41-flash at TP 4: q 16 x 512 = 8192, z 2 x 1024 = 2048, y 5120; per token
+        // 40 x 15360 kept + 2 x 23552 passes + 40 x 5120 x 5 all-reduce = 1_685_504 values.
+        assert_eq!(probe_bytes(&flash, 40, 4, 1, 1), Ok(4 * (1_685_504 + 512)));
+        assert_eq!(probe_bytes(&flash, 40, 4, 16, 128), Ok(4 * (16 * 1_685_504 + 128 * 512)));
+        for (p, tp) in [(Preset::Dsv41Flash, 1), (Preset::Dsv41Flash, 8), (Preset::Dsv4Pro, 1), (Preset::Tiny, 1)] {
+            let g = p.geometry();
+            for (t, s) in [(2, 16), (16, 128), (32, 1024)] {
+                assert!(check_probe_on(&g, g.layers, tp, t, s).is_ok(), "{p:?} TP {tp}: T = {t}, S = {s}");
+            }
+            assert!(
+                matches!(
+                    check_probe_on(&g, g.layers, tp, MAX_PROBE_TOKENS, 1),
+                    Err(LimitError::TooLarge { what: "probe working set (bytes)", .. })
+                ) || p == Preset::Tiny,
+                "{p:?} TP {tp}"
+            );
+        }
+        assert!(matches!(check_probe_on(&flash, 40, 1, 0, 1), Err(LimitError::Zero { .. })));
+        assert!(matches!(probe_bytes(&flash, usize::MAX, 1, 1, 1), Err(LimitError::Overflow { .. })));
     }
 
     #[test]

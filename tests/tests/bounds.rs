@@ -29,6 +29,29 @@ fn impossible_sizes_are_refused_before_anything_starts() {
         assert!(!stderr(&o).contains("starting"), "{args:?}: no worker may start: {}", stderr(&o));
         assert!(t.elapsed() < Duration::from_secs(5), "{args:?} took {:?}", t.elapsed());
     }
+    // Within the size limits, but not within the memory a dsv41-flash rank would hold for it
+    // (about 28 GB at TP 1): refused before anything starts, with the probe named.
+    let o = run("orchestrator", &["launch", "--dummy", "--preset", "dsv41-flash", "--tp", "1", "--probe", "4096,1"]);
+    assert!(!o.status.success(), "{}", stdout(&o));
+    assert!(stderr(&o).contains("--probe 4096,1,0: probe working set (bytes)"), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("starting"), "no worker may start: {}", stderr(&o));
+}
+
+/// A routed probe too large for the ranks' memory is the caller's error: the coordinator
+/// refuses it, and no replica leaves rotation for it (before, each replica it was tried on was
+/// pulled).
+#[test]
+fn a_routed_probe_too_large_for_the_ranks_takes_no_replica_out_of_rotation() {
+    let cluster = Served::start(&["--dummy", "--preset", "tiny", "--layers", "8", "--tp", "1", "--dp", "2", "--probe", "2,16"]);
+    let o = cluster.cmd("probe", &["--size", "4096,1", "--rate", "4", "--duration", "1", "--json"]);
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)));
+    assert!(doc["failed"].as_u64().unwrap() >= 1 && doc["served"] == 0, "{doc}");
+    assert!(doc["errors"][0].as_str().unwrap().contains("probe working set"), "{doc}");
+    let o = cluster.cmd("probe", &["--rate", "10", "--duration", "1", "--json"]);
+    let doc: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)));
+    assert_eq!(doc["failed"], 0, "{doc}");
+    assert!(doc["by_replica"]["dp0"]["served"].as_u64() > Some(0) && doc["by_replica"]["dp1"]["served"].as_u64() > Some(0), "{doc}");
+    assert_eq!(cluster.report()["ok"], true);
 }
 
 /// A `config.json` with absurd sizes (8·2^34 heads, 8·2^58 heads, 10^12 layers) is refused by

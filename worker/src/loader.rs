@@ -27,6 +27,9 @@ pub enum LoadError {
     Tensor { tensor: String, file: Option<PathBuf>, source: KernelError },
     #[error("{0}")]
     Config(String),
+    /// A probe over the limits on the weights it would run on ([`ProbeSpec::check_on`]).
+    #[error("probe {spec}: {error}")]
+    ProbeSize { spec: crate::probe::ProbeSpec, error: orchestrator_model::limits::LimitError },
 }
 
 impl LoadError {

@@ -74,6 +74,13 @@ impl ProbeSpec {
         Ok(spec)
     }
 
+    /// Whether this probe stays within the limits on a rank of TP size `tp` holding `layers`
+    /// layers of `g`: its sizes, and the memory it holds there
+    /// ([`orchestrator_model::limits::check_probe_on`]). Returns that memory in bytes.
+    pub fn check_on(&self, g: &Geometry, layers: usize, tp: usize) -> Result<usize, LimitError> {
+        orchestrator_model::limits::check_probe_on(g, layers, tp, self.tokens, self.latents)
+    }
+
     /// The inputs every rank builds identically: `qr [T, q_lora]` and `kv [S, head_dim]`,
     /// ~N(0, 1) from the counter-based generator keyed by the seed, MXFP8-quantized (rceil).
     pub fn inputs(&self, g: &Geometry) -> Result<ProbeInputs, KernelError> {
@@ -235,6 +242,7 @@ where
     crate::background::on_a_pool_thread(|| {
         let backend = loader.backend();
         let g = &weights.identity.geometry;
+        spec.check_on(g, weights.layers.len(), weights.identity.tp_size).map_err(|error| LoadError::ProbeSize { spec, error })?;
         let shape = shape_of(g, &weights.shard);
         let inputs = spec.inputs(g).map_err(|e| LoadError::Config(format!("probe inputs: {e}")))?;
         let key: ReferenceKey = (source.version(), weights.identity.tp_size, weights.identity.rank, rule, spec);
@@ -348,6 +356,7 @@ pub fn prepare_reference<B: Backend + Sync>(
     }
     let t = Instant::now();
     let g = &source.config().geometry;
+    spec.check_on(g, g.layers, shard.tp_size).map_err(|error| LoadError::ProbeSize { spec, error })?;
     let shape = shape_of(g, shard);
     let inputs = spec.inputs(g).map_err(|e| LoadError::Config(format!("probe inputs: {e}")))?;
     let mut scratch = ReferenceCache::scratch(Some(cache));

@@ -219,6 +219,10 @@ fn resolve(
         (src, local, format!("checkpoint {}", dir.display()))
     };
     orchestrator_model::plan::validate_tp(&local.config().geometry, a.tp as usize)?;
+    if !a.no_probe {
+        let g = &local.config().geometry;
+        a.probe.check_on(g, g.layers, a.tp as usize).map_err(|e| anyhow::anyhow!("--probe {}: {e}", a.probe))?;
+    }
     let fault = a.inject_fault.as_deref().map(|s| parse_fault(s, a.tp * a.dp)).transpose()?;
     let mut allow_roots = a
         .allow_root

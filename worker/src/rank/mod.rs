@@ -177,6 +177,11 @@ impl Rank {
             .transpose()
             .map_err(|error| RankError::ProbeSize { context: "stage: reference", error })?;
         let source = crate::background::run(|| LoadSource::from_pb(Some(s), &self.roots))?;
+        // Refused here, as a bad request, rather than when the staged version is verified.
+        if let (Some(spec), Some(tp)) = (reference, lock(&self.state).plan.as_ref().map(|p| p.tp_size)) {
+            let g = &source.config().geometry;
+            spec.check_on(g, g.layers, tp).map_err(|error| RankError::ProbeSize { context: "stage: reference", error })?;
+        }
         self.start_load(Some(source), true, StageOptions { reference, defer_round_trip: r.defer_round_trip })
     }
 
@@ -544,6 +549,8 @@ impl Rank {
                     // The weights are shared, not borrowed: nothing is locked while they
                     // compute, so the rank's other probes, reports and updates go on.
                     let (plan, weights, source) = snapshot(&lock(&self.state), r.shadow)?;
+                    spec.check_on(&weights.identity.geometry, weights.layers.len(), plan.tp_size)
+                        .map_err(|error| RankError::ProbeSize { context: "probe", error })?;
                     let c = compute_probe(backend, &plan, &weights, &source, spec, check, &self.reference_cache)?;
                     let mut st = lock(&self.state);
                     let holds = still_holds(&st, r.shadow, &weights);

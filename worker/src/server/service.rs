@@ -189,7 +189,12 @@ mod tests {
 
     /// A TP 1 worker on tiny checkpoint `A` (loaded), with `B` and `C` beside it to stage.
     async fn loaded_worker(tmp: &std::path::Path) -> (WorkerService, impl Fn(&str) -> pb::LoadSource) {
-        let config = ModelConfig::from_preset(orchestrator_model::Preset::Tiny, Some(1), false).unwrap();
+        loaded_worker_of(tmp, 1).await
+    }
+
+    /// [`loaded_worker`] with `layers` layers.
+    async fn loaded_worker_of(tmp: &std::path::Path, layers: usize) -> (WorkerService, impl Fn(&str) -> pb::LoadSource) {
+        let config = ModelConfig::from_preset(orchestrator_model::Preset::Tiny, Some(layers), false).unwrap();
         for (name, seed) in [("A", 1), ("B", 2), ("C", 3)] {
             let opts = SynthOptions { config: config.clone(), seed, max_shard_bytes: 1 << 30, preset_name: None };
             write_checkpoint(&tmp.join(name), &opts).unwrap();
@@ -287,6 +292,39 @@ mod tests {
         // Another generation of weights: the kept verdict no longer answers.
         Arc::get_mut(lock(&svc.rank.state).weights.as_mut().unwrap()).unwrap().generation += 1;
         assert!(!round_trip_ok(&svc, true).await);
+    }
+
+    /// A probe within the size limits whose working set on these weights would pass the
+    /// memory limit (tiny, 8 layers, T = 4096: about 6.6 GB of f32 values) is refused as a bad
+    /// request before anything is computed, as a probe, as a stage's reference, and through
+    /// the loader's own probe; the rank probes, stages and serves on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_probe_too_large_for_the_ranks_memory_is_refused_as_a_bad_request() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, src) = loaded_worker_of(tmp.path(), 8).await;
+        let big = pb::ProbeRequest { tokens: 4096, latents: 1, ..Default::default() };
+        let e = svc.probe(Request::new(big)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains("probe working set"), "{}", e.message());
+        let request = pb::StageRequest {
+            source: Some(src("B")),
+            reference: Some(pb::ReferenceProbe { tokens: 4096, latents: 1, seed: 0 }),
+            defer_round_trip: false,
+        };
+        let e = svc.stage(Request::new(request)).await.err().expect("refused");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains("stage: reference") && e.message().contains("probe working set"), "{}", e.message());
+        assert!(lock(&svc.rank.state).shadow.is_none(), "nothing was staged");
+        let (plan, weights, source) = crate::rank::state::snapshot(&lock(&svc.rank.state), false).unwrap();
+        let loader = crate::loader::RankLoader::new(&*svc.rank.backend, source.config(), plan.tp_size, plan.tp_rank, plan.rule).unwrap();
+        let spec = crate::probe::ProbeSpec { tokens: 4096, latents: 1, seed: 0 };
+        let Err(e) = crate::probe::probe_rank(&loader, &weights, &source, spec, plan.rule) else { panic!("the loader's probe ran") };
+        assert!(matches!(e, crate::loader::LoadError::ProbeSize { spec: s, .. } if s == spec), "{e}");
+        // The rank probes (a serving-sized probe, checked against the reference) and stages on.
+        let fits = pb::ProbeRequest { tokens: 2, latents: 16, ..Default::default() };
+        assert!(svc.probe(Request::new(fits)).await.unwrap().into_inner().ok);
+        stage(&svc, src("B")).await;
+        assert!(lock(&svc.rank.state).shadow.is_some());
     }
 
     async fn probe(svc: &WorkerService, phase: pb::ProbePhase, shadow: bool, seed: u64) -> Result<pb::ProbeResult, Status> {
