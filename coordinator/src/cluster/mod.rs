@@ -121,7 +121,7 @@ impl Cluster {
         tls: Option<TlsFiles>,
     ) -> anyhow::Result<Self> {
         let (bin, leading) = worker_command()?;
-        let gpus = gpu_list();
+        let gpus = gpu_list()?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = threads_per_worker(cores, tp, std::env::var_os(RAYON_THREADS_ENV).as_deref());
         let mut workers = Vec::new();

@@ -77,17 +77,36 @@ pub(super) fn kill_adopted(identity: &ProcessIdentity) {
     }
 }
 
+/// The most GPUs `ORCHESTRATOR_GPUS` may name (hosts have 8 or 16).
+const MAX_GPUS: usize = 1024;
+
 /// The GPUs workers are spread over: the launcher's `CUDA_VISIBLE_DEVICES` entries, or
 /// `0..ORCHESTRATOR_GPUS`, or every GPU this process sees (at least one).
-pub(super) fn gpu_list() -> Vec<String> {
-    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
+pub(super) fn gpu_list() -> anyhow::Result<Vec<String>> {
+    let env = |name: &str| std::env::var(name).ok();
+    gpus_from(env("CUDA_VISIBLE_DEVICES").as_deref(), env("ORCHESTRATOR_GPUS").as_deref(), visible_gpus).map_err(anyhow::Error::msg)
+}
+
+/// [`gpu_list`] from the two variables' values; `ORCHESTRATOR_GPUS` must be a count from 1 to
+/// [`MAX_GPUS`] where it is set and not empty (a typo is an error, not every GPU the process
+/// sees).
+fn gpus_from(cuda_visible: Option<&str>, count: Option<&str>, visible: impl FnOnce() -> usize) -> Result<Vec<String>, String> {
+    if let Some(v) = cuda_visible {
         let list: Vec<String> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
         if !list.is_empty() {
-            return list;
+            return Ok(list);
         }
     }
-    let n = std::env::var("ORCHESTRATOR_GPUS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or_else(visible_gpus);
-    (0..n).map(|i| i.to_string()).collect()
+    let n = match count.filter(|v| !v.trim().is_empty()) {
+        Some(v) => v
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_GPUS).contains(n))
+            .ok_or_else(|| format!("ORCHESTRATOR_GPUS={v:.40}: must be a number of GPUs from 1 to {MAX_GPUS}"))?,
+        None => visible(),
+    };
+    Ok((0..n).map(|i| i.to_string()).collect())
 }
 
 /// The GPUs this process sees (one where it sees none, or in a build without the `cuda`
@@ -123,5 +142,23 @@ pub(super) fn threads_per_worker(cores: usize, tp: u32, inherited: Option<&std::
     match inherited {
         Some(_) => None,
         None => Some((cores / tp.max(1) as usize).max(1)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpus_come_from_the_launchers_list_then_the_count_then_the_devices() {
+        let none = || panic!("the devices are counted only where nothing names the GPUs");
+        assert_eq!(gpus_from(Some("3, 5,"), Some("8"), none), Ok(vec!["3".to_string(), "5".to_string()]));
+        assert_eq!(gpus_from(Some(""), Some(" 2 "), none), Ok(vec!["0".to_string(), "1".to_string()]));
+        assert_eq!(gpus_from(None, None, || 3), Ok(vec!["0".to_string(), "1".to_string(), "2".to_string()]));
+        assert_eq!(gpus_from(None, Some(" "), || 1), Ok(vec!["0".to_string()]), "empty is unset");
+        for bad in ["0", "1025", "18446744073709551615", "eight"] {
+            let e = gpus_from(None, Some(bad), none).unwrap_err();
+            assert!(e.starts_with(&format!("ORCHESTRATOR_GPUS={bad}: must be a number of GPUs from 1 to 1024")), "{e}");
+        }
     }
 }
