@@ -99,7 +99,9 @@ fn other_rule(rule: ScaleRule) -> ScaleRule {
 /// Computes the manifest of `source` at TP `tp_size` with the golden path.
 pub fn build(source: &LoadSource, checkpoint: &str, tp_size: usize, rule: ScaleRule) -> Result<Manifest, ManifestError> {
     let config = source.config();
-    let mut ranks = Vec::with_capacity(tp_size);
+    // The TP size first: nothing is sized by it before it is known to split this model.
+    orchestrator_model::plan::validate_tp(&config.geometry, tp_size).map_err(LoadError::from)?;
+    let mut ranks = Vec::new();
     for rank in 0..tp_size {
         let shard = RankShard::new(&config.geometry, tp_size, rank).map_err(LoadError::from)?;
         let expected = golden_kernel_tensors_as(source, tp_size, rank, rule, Layout::Expected)?;
@@ -454,6 +456,18 @@ mod tests {
         assert_eq!(diagnose(&m, 0, "w", "zz"), Cause::Unknown);
         assert_eq!(diagnose(&m, 0, "missing", "a1"), Cause::Unknown);
         assert_eq!(Cause::OtherRank { rank: 1, layout: "expected".into() }.to_string(), "rank 1's shard");
+    }
+
+    /// A TP size the model cannot take is refused before anything is sized by it (the largest
+    /// `usize` once made a `Vec` of that capacity, and aborted).
+    #[test]
+    fn an_impossible_tp_size_is_refused_before_anything_is_sized_by_it() {
+        let config = orchestrator_model::ModelConfig::from_preset(orchestrator_model::Preset::Tiny, Some(1), false).unwrap();
+        let source = LoadSource::Dummy { config, generator: orchestrator_model::Generator::new(1) };
+        for tp in [0, 3, 1 << 30, usize::MAX] {
+            let e = build(&source, "dummy", tp, ScaleRule::Rceil).unwrap_err();
+            assert!(e.to_string().contains(&format!("TP size {tp} is not allowed")), "{tp}: {e}");
+        }
     }
 
     #[test]
