@@ -9,6 +9,9 @@ pub const HEARTBEAT_INTERVAL: Duration = Duration::from_millis(500);
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(4);
 /// The deadline of every socket read and write of a probe's TP ring (and of joining it).
 pub const RING_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest ring deadline a probe may ask for (a rank holds its state while it joins and
+/// reduces, so a longer one would let a probe hold up everything else the rank does).
+pub const MAX_RING_TIMEOUT: Duration = Duration::from_secs(120);
 /// The deadline of one Commit call; a decided commit is asked again until it is confirmed.
 pub const COMMIT_CALL_DEADLINE: Duration = Duration::from_secs(5);
 /// How long an update drives a decided commit before it reports the ranks that did not confirm

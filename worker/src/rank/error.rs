@@ -82,6 +82,10 @@ pub enum RankError {
     HalvesOfActive,
     #[error("probe: a kept probe answers a whole probe of the active weights only")]
     KeptNotWhole,
+    #[error("probe: {got} peer addresses for a TP group of {tp_size}")]
+    Peers { got: usize, tp_size: usize },
+    #[error("probe: timeout_ms {ms} is over the limit of {limit_ms}")]
+    RingTimeout { ms: u32, limit_ms: u128 },
     #[error("peer address `{address}`: {why}")]
     PeerAddress { address: String, why: String },
     #[error("peer address `{address}` resolves to nothing")]
@@ -152,6 +156,8 @@ impl From<RankError> for Status {
             | ProbeSize { .. }
             | HalvesOfActive
             | KeptNotWhole
+            | Peers { .. }
+            | RingTimeout { .. }
             | PeerAddress { .. }
             | PeerUnresolved { .. }
             | LoadPlan(_) => Status::invalid_argument(message),
@@ -216,6 +222,12 @@ mod tests {
             ),
             (RankError::HalvesOfActive, Code::InvalidArgument, "probe: a probe in halves is of the staged version (shadow) only"),
             (RankError::PeerUnresolved { address: "h:1".into() }, Code::InvalidArgument, "peer address `h:1` resolves to nothing"),
+            (RankError::Peers { got: 100_000, tp_size: 2 }, Code::InvalidArgument, "probe: 100000 peer addresses for a TP group of 2"),
+            (
+                RankError::RingTimeout { ms: u32::MAX, limit_ms: 120_000 },
+                Code::InvalidArgument,
+                "probe: timeout_ms 4294967295 is over the limit of 120000",
+            ),
             (RankError::LoadPlan(load()), Code::InvalidArgument, "bad"),
             (RankError::Load(load()), Code::Internal, "load: bad"),
             (RankError::Stage(load()), Code::Internal, "stage: bad"),

@@ -531,6 +531,16 @@ impl Rank {
         if r.kept && (phase != pb::ProbePhase::Whole || r.shadow) {
             return Err(RankError::KeptNotWhole);
         }
+        // A probe that reduces over the ring names one peer per rank and a bounded deadline (the
+        // rank's state is held while it joins the ring and reduces).
+        let limit = orchestrator_proto::limits::MAX_RING_TIMEOUT;
+        if u128::from(r.timeout_ms) > limit.as_millis() {
+            return Err(RankError::RingTimeout { ms: r.timeout_ms, limit_ms: limit.as_millis() });
+        }
+        let tp_size = lock(&self.state).plan.as_ref().map_or(1, |p| p.tp_size);
+        if phase != pb::ProbePhase::Compute && !r.kept && r.nccl_unique_id.is_empty() && tp_size > 1 && r.peers.len() != tp_size {
+            return Err(RankError::Peers { got: r.peers.len(), tp_size });
+        }
         let backend: &AnyBackend = &self.backend;
         let work = || {
             let spec = ProbeSpec::checked(r.tokens, r.latents, r.seed).map_err(|error| RankError::ProbeSize { context: "probe", error })?;

@@ -327,6 +327,46 @@ mod tests {
         assert!(lock(&svc.rank.state).shadow.is_some());
     }
 
+    /// A probe asking for a ring deadline over the limit is refused before anything is
+    /// computed or joined; the bounded one probes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_probe_with_an_unbounded_ring_deadline_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, _) = loaded_worker(tmp.path()).await;
+        let at = |timeout_ms| pb::ProbeRequest { tokens: 2, latents: 16, timeout_ms, ..Default::default() };
+        let e = svc.probe(Request::new(at(u32::MAX))).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(e.message(), "probe: timeout_ms 4294967295 is over the limit of 120000");
+        assert!(svc.probe(Request::new(at(120_000))).await.unwrap().into_inner().ok);
+    }
+
+    /// A TP 2 rank refuses a probe that would reduce over a ring of other than two peers
+    /// (before: any number, each resolved while the rank's state was held), and computes a
+    /// first half, which joins no ring, whatever the peers.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_probe_names_one_peer_per_rank_of_its_group() {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = ModelConfig::from_preset(orchestrator_model::Preset::Tiny, Some(1), false).unwrap();
+        let opts = SynthOptions { config, seed: 1, max_shard_bytes: 1 << 30, preset_name: None };
+        write_checkpoint(&tmp.path().join("A"), &opts).unwrap();
+        let svc = WorkerService::new(Arc::new(Notify::new()), AllowedRoots::new(&[tmp.path().to_path_buf()]).unwrap());
+        let source = pb::LoadSource { kind: Some(Kind::CheckpointDir(tmp.path().join("A").display().to_string())), content: None };
+        let assign = pb::AssignRequest { tp_size: 2, dp_size: 1, source: Some(source), scale_rule: "rceil".into(), ..Default::default() };
+        svc.assign(Request::new(assign)).await.unwrap();
+        drain(svc.load(Request::new(pb::LoadRequest {})).await).await;
+        for peers in [vec![], vec!["127.0.0.1:1".to_string()], vec!["127.0.0.1:1".to_string(); 100_000]] {
+            let got = peers.len();
+            let req = pb::ProbeRequest { tokens: 2, latents: 16, peers, ..Default::default() };
+            let e = svc.probe(Request::new(req)).await.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert_eq!(e.message(), format!("probe: {got} peer addresses for a TP group of 2"));
+        }
+        let compute =
+            pb::ProbeRequest { tokens: 2, latents: 16, shadow: true, phase: pb::ProbePhase::Compute.into(), ..Default::default() };
+        let e = svc.probe(Request::new(compute)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "nothing staged to compute on, and no peers asked for: {e:?}");
+    }
+
     async fn probe(svc: &WorkerService, phase: pb::ProbePhase, shadow: bool, seed: u64) -> Result<pb::ProbeResult, Status> {
         let req = pb::ProbeRequest { tokens: 2, latents: 16, seed, shadow, phase: phase.into(), ..Default::default() };
         svc.probe(Request::new(req)).await.map(Response::into_inner)
