@@ -417,7 +417,10 @@ impl Journal {
 /// Replays the journal at `path`: `None` when it records no launch.
 pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
     let bytes =
-        std::fs::read(path).map_err(|source| JournalError::Io { dir: path.parent().unwrap_or(Path::new(".")).to_path_buf(), source })?;
+        orchestrator_proto::limits::read_bounded(path, orchestrator_proto::limits::MAX_JOURNAL_BYTES).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => JournalError::Invalid { file: path.to_path_buf(), message: e.to_string() },
+            _ => JournalError::Io { dir: path.parent().unwrap_or(Path::new(".")).to_path_buf(), source: e },
+        })?;
     let complete_bytes = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) as u64;
     let text = String::from_utf8_lossy(&bytes);
     let complete = text.ends_with('\n') || text.is_empty();

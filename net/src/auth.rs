@@ -32,7 +32,9 @@ impl Token {
     /// Reads a token file (surrounding whitespace ignored; at least 16 characters).
     pub fn read(path: &Path) -> Result<Self, AuthError> {
         let err = |why: String| AuthError::TokenFile { path: path.to_path_buf(), why };
-        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+        let bytes = orchestrator_proto::limits::read_bounded(path, orchestrator_proto::limits::MAX_TOKEN_FILE_BYTES)
+            .map_err(|e| err(e.to_string()))?;
+        let text = String::from_utf8(bytes).map_err(|_| err("the token must be printable ASCII without spaces".into()))?;
         let token = text.trim();
         if token.len() < 16 {
             return Err(err(format!("the token has {} characters; use at least 16", token.len())));
@@ -115,6 +117,13 @@ mod tests {
         assert!(!token.admits(&ok));
         std::fs::write(&path, "short").unwrap();
         assert!(matches!(Token::read(&path), Err(AuthError::TokenFile { .. })));
+        // A file that never ends (or one of any other size past the limit) is refused after the
+        // limit, not read into memory.
+        let e = Token::read(Path::new("/dev/zero")).unwrap_err();
+        assert!(matches!(&e, AuthError::TokenFile { why, .. } if why == "more than 65536 bytes"), "{e}");
+        std::fs::write(&path, [0xffu8; 20]).unwrap();
+        let e = Token::read(&path).unwrap_err();
+        assert!(matches!(&e, AuthError::TokenFile { why, .. } if why.contains("printable ASCII")), "{e}");
         let mut check = interceptor(Some(token));
         assert_eq!(check(Request::new(())).unwrap_err().code(), tonic::Code::Unauthenticated);
         assert!(check(request((), Duration::from_secs(1), Some(&again))).is_ok());

@@ -44,7 +44,10 @@ pub struct TlsFiles {
 }
 
 fn read_pem(path: PathBuf, marker: &str) -> Result<String, TlsError> {
-    let text = std::fs::read_to_string(&path).map_err(|source| TlsError::Read { path: path.clone(), source })?;
+    let bytes = orchestrator_proto::limits::read_bounded(&path, orchestrator_proto::limits::MAX_PEM_BYTES)
+        .map_err(|source| TlsError::Read { path: path.clone(), source })?;
+    let text =
+        String::from_utf8(bytes).map_err(|_| TlsError::Invalid { path: path.clone(), message: "not UTF-8: not a PEM file".into() })?;
     if !text.contains(marker) {
         return Err(TlsError::Invalid { path, message: format!("no `{marker}` block: not a PEM file of the expected kind") });
     }
@@ -244,6 +247,14 @@ mod tests {
         std::fs::write(tmp.path().join(CERT_FILE), "not a certificate").unwrap();
         match TlsFiles::load(tmp.path()) {
             Err(TlsError::Invalid { path, .. }) => assert_eq!(path, tmp.path().join(CERT_FILE)),
+            other => panic!("{other:?}"),
+        }
+        std::fs::remove_file(tmp.path().join(CERT_FILE)).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", tmp.path().join(CERT_FILE)).unwrap();
+        match TlsFiles::load(tmp.path()) {
+            Err(TlsError::Read { path, source }) => {
+                assert_eq!((path, source.to_string()), (tmp.path().join(CERT_FILE), "more than 1048576 bytes".to_string()))
+            }
             other => panic!("{other:?}"),
         }
         std::fs::remove_file(tmp.path().join(CA_FILE)).unwrap();

@@ -1,6 +1,9 @@
 //! Every deadline, interval and message bound of the control plane, named once and used by both
-//! sides of each call. (Sizes of models, clusters and probes are in `orchestrator_model::limits`.)
+//! sides of each call, and the bounds on the files it reads (token, TLS, journal). (Sizes of
+//! models, clusters and probes are in `orchestrator_model::limits`.)
 
+use std::io::Read;
+use std::path::Path;
 use std::time::Duration;
 
 /// How often a worker heartbeats to its coordinator.
@@ -47,3 +50,40 @@ pub const REGISTER_RETRY: Duration = Duration::from_millis(500);
 /// A worker this coordinator did not start (another host's) that is silent this long is presumed
 /// dead: its replica is out for good, as for a local worker whose process exited.
 pub const REMOTE_PRESUMED_DEAD: Duration = Duration::from_secs(12);
+/// The largest token file read (a token is 16 to a few hundred characters).
+pub const MAX_TOKEN_FILE_BYTES: u64 = 64 << 10;
+/// The largest PEM file read (a certificate chain or a key: a few KiB).
+pub const MAX_PEM_BYTES: u64 = 1 << 20;
+/// The largest journal replayed (a line of a few hundred bytes per launch, update step and
+/// recovery: millions of updates).
+pub const MAX_JOURNAL_BYTES: u64 = 1 << 30;
+
+/// `path`'s bytes where it holds at most `limit`; else an `InvalidData` error saying so, having
+/// read at most `limit + 1` bytes (a device or a pipe that never ends included).
+pub fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("more than {limit} bytes")));
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_are_read_up_to_their_limit() {
+        let tmp = std::env::temp_dir().join(format!("orchestrator-limits-{}", std::process::id()));
+        std::fs::write(&tmp, b"0123456789").unwrap();
+        assert_eq!(read_bounded(&tmp, 10).unwrap(), b"0123456789");
+        let e = read_bounded(&tmp, 9).unwrap_err();
+        assert_eq!((e.kind(), e.to_string()), (std::io::ErrorKind::InvalidData, "more than 9 bytes".to_string()));
+        std::fs::remove_file(&tmp).unwrap();
+        // A device that never ends: refused after limit + 1 bytes.
+        let e = read_bounded(Path::new("/dev/zero"), 1 << 20).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+        assert_eq!(read_bounded(Path::new("/nonexistent/x"), 1).unwrap_err().kind(), std::io::ErrorKind::NotFound);
+    }
+}

@@ -152,11 +152,7 @@ impl Manifest {
     /// Reads and checks a manifest file.
     pub fn read(path: &Path) -> Result<Self, ManifestError> {
         let read_err = |why: String| ManifestError::Read { path: path.to_path_buf(), why };
-        let len = std::fs::metadata(path).map_err(|e| read_err(e.to_string()))?.len();
-        if len > MAX_MANIFEST_BYTES {
-            return Err(ManifestError::Parse { path: path.to_path_buf(), why: format!("{len} bytes, more than {MAX_MANIFEST_BYTES}") });
-        }
-        let bytes = std::fs::read(path).map_err(|e| read_err(e.to_string()))?;
+        let bytes = orchestrator_proto::limits::read_bounded(path, MAX_MANIFEST_BYTES).map_err(|e| read_err(e.to_string()))?;
         let version: serde_json::Value =
             serde_json::from_slice(&bytes).map_err(|e| ManifestError::Parse { path: path.to_path_buf(), why: e.to_string() })?;
         match version.get("manifest_version").and_then(serde_json::Value::as_u64) {
