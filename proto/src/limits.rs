@@ -50,6 +50,24 @@ pub const REGISTER_RETRY: Duration = Duration::from_millis(500);
 /// A worker this coordinator did not start (another host's) that is silent this long is presumed
 /// dead: its replica is out for good, as for a local worker whose process exited.
 pub const REMOTE_PRESUMED_DEAD: Duration = Duration::from_secs(12);
+/// The largest name a request may give: a version, a scale rule, a preset (real ones: a few
+/// dozen bytes).
+pub const MAX_NAME_BYTES: usize = 1024;
+
+/// A request's string field over its limit (the field named, the value not echoed).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {bytes} bytes, over the limit of {limit}")]
+pub struct TooLong {
+    pub field: &'static str,
+    pub bytes: usize,
+    pub limit: usize,
+}
+
+/// `value` where it has at most `limit` bytes, else [`TooLong`] naming `field`.
+pub fn check_len<'a>(field: &'static str, value: &'a str, limit: usize) -> Result<&'a str, TooLong> {
+    if value.len() > limit { Err(TooLong { field, bytes: value.len(), limit }) } else { Ok(value) }
+}
+
 /// The largest token file read (a token is 16 to a few hundred characters).
 pub const MAX_TOKEN_FILE_BYTES: u64 = 64 << 10;
 /// The largest PEM file read (a certificate chain or a key: a few KiB).
@@ -72,6 +90,14 @@ pub fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fields_are_checked_against_their_limit() {
+        assert_eq!(check_len("version", "abc", 3), Ok("abc"));
+        let e = check_len("version", "abcd", 3).unwrap_err();
+        assert_eq!(e, TooLong { field: "version", bytes: 4, limit: 3 });
+        assert_eq!(e.to_string(), "version: 4 bytes, over the limit of 3");
+    }
 
     #[test]
     fn files_are_read_up_to_their_limit() {

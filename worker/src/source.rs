@@ -158,6 +158,9 @@ pub enum SourceError {
     Preset(ModelError),
     #[error("source.dummy: {0}")]
     Dummy(ModelError),
+    /// A name or path longer than any real one (not echoed back).
+    #[error(transparent)]
+    TooLong(#[from] orchestrator_proto::limits::TooLong),
 }
 
 impl From<SourceError> for tonic::Status {
@@ -173,9 +176,11 @@ impl LoadSource {
     /// The load source a request names; a checkpoint directory, and every file it is read from
     /// (config, index, each shard, symlinks resolved), must lie under `roots`.
     pub fn from_pb(source: Option<&pb::LoadSource>, roots: &AllowedRoots) -> Result<Self, SourceError> {
+        use orchestrator_proto::limits;
         use pb::load_source::Kind;
         match source.and_then(|s| s.kind.as_ref()) {
             Some(Kind::CheckpointDir(dir)) => {
+                let dir = limits::check_len("source.checkpoint_dir", dir, limits::MAX_PATH_BYTES)?;
                 let claim = source.and_then(|s| s.content.as_ref()).map(claim_from_pb).transpose().map_err(SourceError::Claim)?;
                 Self::open_checkpoint_claimed(Path::new(dir), roots, claim.as_ref()).map_err(|e| match e {
                     ModelError::Roots(e) => SourceError::Roots(e),
@@ -183,7 +188,8 @@ impl LoadSource {
                 })
             }
             Some(Kind::Dummy(d)) => {
-                let preset = d.preset.parse().map_err(SourceError::Preset)?;
+                let preset =
+                    limits::check_len("source.dummy.preset", &d.preset, limits::MAX_NAME_BYTES)?.parse().map_err(SourceError::Preset)?;
                 let layers = (d.layers > 0).then_some(d.layers as usize);
                 let config = ModelConfig::from_preset(preset, layers, d.bf16).map_err(SourceError::Dummy)?;
                 Ok(Self::Dummy { config, generator: Generator::new(d.seed) })

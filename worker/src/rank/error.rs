@@ -70,6 +70,9 @@ pub enum RankError {
     Reopen(Box<ModelError>),
     #[error("{0}")]
     ScaleRule(String),
+    /// A name or path longer than any real one (not echoed back).
+    #[error(transparent)]
+    TooLong(#[from] orchestrator_proto::limits::TooLong),
     #[error("{0}")]
     Shard(Box<ModelError>),
     #[error("stage: source is missing")]
@@ -151,6 +154,7 @@ impl From<RankError> for Status {
             Superseded | Replaced => Status::aborted(message),
             Reopen(_) => Status::permission_denied(message),
             ScaleRule(_)
+            | TooLong(_)
             | Shard(_)
             | StageWithoutSource
             | ProbeSize { .. }
@@ -214,6 +218,11 @@ mod tests {
             (SourceError::Missing.into(), Code::InvalidArgument, "source: missing (checkpoint_dir or dummy)"),
             (RankError::Reopen(Box::new(model())), Code::PermissionDenied, ""),
             (RankError::ScaleRule("unknown scale rule `x`".into()), Code::InvalidArgument, "unknown scale rule `x`"),
+            (
+                RankError::TooLong(orchestrator_proto::limits::TooLong { field: "version", bytes: 2000, limit: 1024 }),
+                Code::InvalidArgument,
+                "version: 2000 bytes, over the limit of 1024",
+            ),
             (RankError::StageWithoutSource, Code::InvalidArgument, "stage: source is missing"),
             (
                 RankError::ProbeSize { context: "stage: reference", error: LimitError::Zero { what: "probe tokens" } },

@@ -32,6 +32,7 @@ use crate::loader::{RankLoader, RankWeights};
 use crate::probe::ProbeSpec;
 use crate::roundtrip::{RoundTripScratch, check_rank_with};
 use crate::source::LoadSource;
+use orchestrator_proto::limits::{MAX_NAME_BYTES, MAX_PATH_BYTES, check_len};
 
 /// A load's, reload's or stage's per-layer progress, ending with its last message (`finished`)
 /// or its error.
@@ -107,7 +108,8 @@ impl Rank {
     /// shard of the source's geometry) and binds its collective listener.
     pub fn prepare_assignment(&self, r: &pb::AssignRequest) -> Result<Assignment, RankError> {
         let source = LoadSource::from_pb(r.source.as_ref(), &self.roots)?;
-        let rule: ScaleRule = r.scale_rule.parse().map_err(RankError::ScaleRule)?;
+        let rule: ScaleRule = check_len("scale_rule", &r.scale_rule, MAX_NAME_BYTES)?.parse().map_err(RankError::ScaleRule)?;
+        check_len("dump_dir", &r.dump_dir, MAX_PATH_BYTES)?;
         let (tp, rank) = (r.tp_size as usize, r.tp_rank as usize);
         orchestrator_model::RankShard::new(&source.config().geometry, tp, rank).map_err(|e| RankError::Shard(Box::new(e)))?;
         let listener = RingListener::bind(SocketAddr::new(self.ring_ip, 0)).map_err(|why| RankError::Listener { ip: self.ring_ip, why })?;
@@ -187,12 +189,13 @@ impl Rank {
 
     /// Swaps the staged version in ([`State::commit`]).
     pub fn commit(&self, expected: &str) -> Result<pb::CommitResponse, RankError> {
-        let InPlace { version, generation } = lock(&self.state).commit(expected)?;
+        let InPlace { version, generation } = lock(&self.state).commit(check_len("expected_version", expected, MAX_NAME_BYTES)?)?;
         Ok(pb::CommitResponse { checkpoint_version: version, generation, staged_version: String::new() })
     }
 
     /// Drops what is staged and, with `rollback`, swaps the kept version back ([`State::abort`]).
     pub fn abort(&self, rollback: bool, expected: &str) -> Result<pb::AbortResponse, RankError> {
+        let expected = check_len("expected_version", expected, MAX_NAME_BYTES)?;
         Ok(pb::AbortResponse { checkpoint_version: lock(&self.state).abort(rollback, expected)? })
     }
 
@@ -203,6 +206,7 @@ impl Rank {
 
     /// Whether the rank may be marked serving `version`: only when that is its active version.
     pub fn check_serving(&self, version: &str) -> Result<(), RankError> {
+        let version = check_len("version", version, MAX_NAME_BYTES)?;
         let (active, _) = self.versions();
         if active.is_empty() || active != version {
             return Err(RankError::NotVerified { active, version: version.to_string() });

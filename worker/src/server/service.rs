@@ -367,6 +367,47 @@ mod tests {
         assert_eq!(e.code(), tonic::Code::FailedPrecondition, "nothing staged to compute on, and no peers asked for: {e:?}");
     }
 
+    /// Every name or path a request gives is bounded: a value of megabytes is refused with the
+    /// field named in a short message (before: echoed back whole, past what a gRPC status
+    /// carries), and nothing changes on the rank.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_oversized_name_or_path_gets_a_short_refusal_naming_its_field() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, src) = loaded_worker(tmp.path()).await;
+        let before = svc.rank.versions();
+        let huge = "x".repeat(2 << 20);
+        let dir = |d: &str| pb::LoadSource { kind: Some(Kind::CheckpointDir(d.into())), content: None };
+        let dummy =
+            pb::LoadSource { kind: Some(Kind::Dummy(pb::DummySource { preset: huge.clone(), ..Default::default() })), content: None };
+        let assign = |source, scale_rule: &str, dump_dir: &str| pb::AssignRequest {
+            tp_size: 1,
+            dp_size: 1,
+            source: Some(source),
+            scale_rule: scale_rule.into(),
+            dump_dir: dump_dir.into(),
+            ..Default::default()
+        };
+        let stage = |source| pb::StageRequest { source: Some(source), reference: None, defer_round_trip: false };
+        let cases: Vec<(Result<(), Status>, &str)> = vec![
+            (svc.assign(Request::new(assign(dir(&huge), "rceil", ""))).await.map(drop), "source.checkpoint_dir"),
+            (svc.assign(Request::new(assign(src("A"), &huge, ""))).await.map(drop), "scale_rule"),
+            (svc.assign(Request::new(assign(src("A"), "rceil", &huge))).await.map(drop), "dump_dir"),
+            (svc.stage(Request::new(stage(dummy))).await.map(drop), "source.dummy.preset"),
+            (svc.commit(Request::new(pb::CommitRequest { expected_version: huge.clone() })).await.map(drop), "expected_version"),
+            (
+                svc.abort(Request::new(pb::AbortRequest { rollback: true, expected_version: huge.clone() })).await.map(drop),
+                "expected_version",
+            ),
+            (svc.set_serving(Request::new(pb::SetServingRequest { serving: true, version: huge.clone() })).await.map(drop), "version"),
+        ];
+        for (result, field) in cases {
+            let e = result.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{field}: {e:?}");
+            assert!(e.message().starts_with(&format!("{field}: {} bytes, over the limit of", huge.len())), "{}", e.message());
+        }
+        assert_eq!(svc.rank.versions(), before, "the rank holds what it held");
+    }
+
     async fn probe(svc: &WorkerService, phase: pb::ProbePhase, shadow: bool, seed: u64) -> Result<pb::ProbeResult, Status> {
         let req = pb::ProbeRequest { tokens: 2, latents: 16, seed, shadow, phase: phase.into(), ..Default::default() };
         svc.probe(Request::new(req)).await.map(Response::into_inner)
