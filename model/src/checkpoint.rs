@@ -75,26 +75,7 @@ impl Shard {
         // SAFETY: the map is read-only; checkpoints are not modified while loaded (a writer
         // replaces files by rename, which leaves this mapping on the old inode).
         let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
-        if let Some(n) = mmap.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
-            && n > crate::limits::MAX_HEADER_BYTES as u64
-        {
-            return Err(ModelError::MalformedHeader {
-                file: path.to_path_buf(),
-                tensor: wanted.to_string(),
-                why: format!(
-                    "the header declares {n} bytes, over the limit of {} (limits::MAX_HEADER_BYTES)",
-                    crate::limits::MAX_HEADER_BYTES
-                ),
-            });
-        }
-        if let Some(json) = mmap.get(..8).and_then(|b| {
-            let n = usize::try_from(u64::from_le_bytes(b.try_into().ok()?)).ok()?;
-            mmap.get(8..8usize.checked_add(n)?)
-        }) && let Ok(json) = std::str::from_utf8(json)
-            && let Err(e) = header_scan::scan(json)
-        {
-            return Err(ModelError::MalformedHeader { file: path.to_path_buf(), tensor: wanted.to_string(), why: e.to_string() });
-        }
+        check_header(path, &mmap, wanted)?;
         let (n, metadata) = SafeTensors::read_metadata(&mmap).map_err(|e| diagnose(path, &mmap, e, wanted))?;
         let tensors = tensor_infos(&metadata);
         Ok(Self { path: path.to_path_buf(), mmap, data_start: 8 + n, tensors, identity, opened })
@@ -119,6 +100,32 @@ impl Shard {
         let (a, b) = info.data_offsets;
         self.mmap.get(self.data_start + a..self.data_start + b)
     }
+}
+
+/// Refuses a safetensors file whose JSON header declares more than
+/// [`crate::limits::MAX_HEADER_BYTES`] or holds what would make the `safetensors` crate's parse
+/// of it many times its size ([`header_scan`]), before that crate parses it: what every
+/// safetensors file read here (a shard, an engine's dump) goes through first. `wanted` names
+/// the tensor the caller is after, for errors.
+pub fn check_header(path: &Path, mmap: &[u8], wanted: &str) -> Result<(), ModelError> {
+    if let Some(n) = mmap.get(..8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+        && n > crate::limits::MAX_HEADER_BYTES as u64
+    {
+        return Err(ModelError::MalformedHeader {
+            file: path.to_path_buf(),
+            tensor: wanted.to_string(),
+            why: format!("the header declares {n} bytes, over the limit of {} (limits::MAX_HEADER_BYTES)", crate::limits::MAX_HEADER_BYTES),
+        });
+    }
+    if let Some(json) = mmap.get(..8).and_then(|b| {
+        let n = usize::try_from(u64::from_le_bytes(b.try_into().ok()?)).ok()?;
+        mmap.get(8..8usize.checked_add(n)?)
+    }) && let Ok(json) = std::str::from_utf8(json)
+        && let Err(e) = header_scan::scan(json)
+    {
+        return Err(ModelError::MalformedHeader { file: path.to_path_buf(), tensor: wanted.to_string(), why: e.to_string() });
+    }
+    Ok(())
 }
 
 /// A pass over a safetensors JSON header before the `safetensors` crate parses it, allocating

@@ -153,15 +153,19 @@ impl Manifest {
     pub fn read(path: &Path) -> Result<Self, ManifestError> {
         let read_err = |why: String| ManifestError::Read { path: path.to_path_buf(), why };
         let bytes = orchestrator_proto::limits::read_bounded(path, MAX_MANIFEST_BYTES).map_err(|e| read_err(e.to_string()))?;
-        let version: serde_json::Value =
-            serde_json::from_slice(&bytes).map_err(|e| ManifestError::Parse { path: path.to_path_buf(), why: e.to_string() })?;
-        match version.get("manifest_version").and_then(serde_json::Value::as_u64) {
+        let parse_err = |e: serde_json::Error| ManifestError::Parse { path: path.to_path_buf(), why: e.to_string() };
+        // The version first, every other field skipped unbuilt (a tree of the whole document,
+        // as a `serde_json::Value` was, costs many times its text).
+        #[derive(Deserialize)]
+        struct Version {
+            manifest_version: Option<u64>,
+        }
+        match serde_json::from_slice::<Version>(&bytes).map_err(parse_err)?.manifest_version {
             Some(v) if v == MANIFEST_VERSION as u64 => {}
             Some(v) => return Err(ManifestError::Version { path: path.to_path_buf(), found: v as u32 }),
             None => return Err(ManifestError::Parse { path: path.to_path_buf(), why: "no manifest_version".into() }),
         }
-        let m: Manifest =
-            serde_json::from_value(version).map_err(|e| ManifestError::Parse { path: path.to_path_buf(), why: e.to_string() })?;
+        let m: Manifest = serde_json::from_slice(&bytes).map_err(parse_err)?;
         if m.ranks.len() != m.tp_size || m.ranks.iter().enumerate().any(|(i, r)| r.tp_rank != i) {
             return Err(ManifestError::Parse { path: path.to_path_buf(), why: format!("ranks are not 0..{} in order", m.tp_size) });
         }
@@ -343,6 +347,13 @@ pub fn verify_file(manifest: &Manifest, rank: usize, path: &Path) -> Result<Rank
     let file = std::fs::File::open(path).map_err(|e| read_err(e.to_string()))?;
     // SAFETY: read-only map of a file that is only read here.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| read_err(e.to_string()))?;
+    orchestrator_model::checkpoint::check_header(path, &map, "").map_err(|e| ManifestError::DumpFormat {
+        path: path.to_path_buf(),
+        why: match e {
+            orchestrator_model::ModelError::MalformedHeader { why, .. } => format!("malformed safetensors header: {why}"),
+            e => e.to_string(),
+        },
+    })?;
     let st = safetensors::SafeTensors::deserialize(&map)
         .map_err(|e| ManifestError::DumpFormat { path: path.to_path_buf(), why: e.to_string() })?;
     let expected = &manifest.ranks[rank];
@@ -464,6 +475,32 @@ mod tests {
             let e = build(&source, "dummy", tp, ScaleRule::Rceil).unwrap_err();
             assert!(e.to_string().contains(&format!("TP size {tp} is not allowed")), "{tp}: {e}");
         }
+    }
+
+    /// A dump's header goes through the same scan as a checkpoint shard's before the
+    /// `safetensors` crate parses it: a shape of more dimensions than any tensor has is refused
+    /// by name, a well-formed dump is checked.
+    #[test]
+    fn a_dump_with_a_malformed_header_is_refused_before_it_is_parsed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let write = |header: &str, data: &[u8]| {
+            let path = tmp.path().join("rank0.safetensors");
+            let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+            bytes.extend_from_slice(header.as_bytes());
+            bytes.extend_from_slice(data);
+            std::fs::write(&path, bytes).unwrap();
+            path
+        };
+        let dims = vec!["1"; 20].join(",");
+        let path = write(&format!(r#"{{"w":{{"dtype":"F8_E4M3","shape":[{dims}],"data_offsets":[0,1]}}}}"#), &[0]);
+        let e = verify_file(&manifest(), 0, &path).unwrap_err();
+        assert!(
+            matches!(&e, ManifestError::DumpFormat { why, .. } if why.starts_with("malformed safetensors header: tensor `w`: `shape` has more than 8 entries")),
+            "{e}"
+        );
+        let path = write(r#"{"w":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[0,1]}}"#, &[0]);
+        let verdict = verify_file(&manifest(), 0, &path).unwrap();
+        assert_eq!((verdict.checked, verdict.matching), (1, 0), "checked, and differs from the manifest's digest");
     }
 
     #[test]
