@@ -601,13 +601,16 @@ impl Checkpoint {
         }
         let mut specs = checkpoint_tensors(g, self.config.format);
         specs.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
+        // Each file's first tensor (in name order), found in one pass over the index (a search of
+        // the index per file was quadratic: 10^10 steps for a large hostile one).
+        let mut first: HashMap<&str, &str> = HashMap::new();
+        for (tensor, file) in &self.weight_map {
+            first.entry(file.as_str()).or_insert(tensor.as_str());
+        }
         let opened: HashMap<&str, Option<Arc<Shard>>> = self
             .in_scope_files()
             .into_iter()
-            .map(|f| {
-                let any = self.weight_map.iter().find(|(_, v)| v.as_str() == f).map(|(k, _)| k.as_str()).unwrap_or("(any)");
-                (f, self.shard_of(any).ok())
-            })
+            .map(|f| (f, self.shard_of(first.get(f).copied().unwrap_or("(any)")).ok()))
             .collect();
         let mut frame = head.clone();
         let tensors = specs
