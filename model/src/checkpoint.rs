@@ -607,11 +607,8 @@ impl Checkpoint {
         for (tensor, file) in &self.weight_map {
             first.entry(file.as_str()).or_insert(tensor.as_str());
         }
-        let opened: HashMap<&str, Option<Arc<Shard>>> = self
-            .in_scope_files()
-            .into_iter()
-            .map(|f| (f, self.shard_of(first.get(f).copied().unwrap_or("(any)")).ok()))
-            .collect();
+        let opened: HashMap<&str, Option<Arc<Shard>>> =
+            self.in_scope_files().into_iter().map(|f| (f, self.shard_of(first.get(f).copied().unwrap_or("(any)")).ok())).collect();
         let mut frame = head.clone();
         let tensors = specs
             .into_iter()

@@ -85,6 +85,8 @@ pub enum RankError {
     HalvesOfActive,
     #[error("probe: a kept probe answers a whole probe of the active weights only")]
     KeptNotWhole,
+    #[error("assign: dp_rank {dp_rank} of dp_size {dp_size} (dp_rank below dp_size, dp_size 1 to {max})")]
+    DpRank { dp_rank: u32, dp_size: u32, max: usize },
     #[error("probe: {got} peer addresses for a TP group of {tp_size}")]
     Peers { got: usize, tp_size: usize },
     #[error("probe: timeout_ms {ms} is over the limit of {limit_ms}")]
@@ -160,6 +162,7 @@ impl From<RankError> for Status {
             | ProbeSize { .. }
             | HalvesOfActive
             | KeptNotWhole
+            | DpRank { .. }
             | Peers { .. }
             | RingTimeout { .. }
             | PeerAddress { .. }
@@ -231,6 +234,11 @@ mod tests {
             ),
             (RankError::HalvesOfActive, Code::InvalidArgument, "probe: a probe in halves is of the staged version (shadow) only"),
             (RankError::PeerUnresolved { address: "h:1".into() }, Code::InvalidArgument, "peer address `h:1` resolves to nothing"),
+            (
+                RankError::DpRank { dp_rank: 2, dp_size: 2, max: 4096 },
+                Code::InvalidArgument,
+                "assign: dp_rank 2 of dp_size 2 (dp_rank below dp_size, dp_size 1 to 4096)",
+            ),
             (RankError::Peers { got: 100_000, tp_size: 2 }, Code::InvalidArgument, "probe: 100000 peer addresses for a TP group of 2"),
             (
                 RankError::RingTimeout { ms: u32::MAX, limit_ms: 120_000 },

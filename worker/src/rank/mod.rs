@@ -110,6 +110,10 @@ impl Rank {
         let source = LoadSource::from_pb(r.source.as_ref(), &self.roots)?;
         let rule: ScaleRule = check_len("scale_rule", &r.scale_rule, MAX_NAME_BYTES)?.parse().map_err(RankError::ScaleRule)?;
         check_len("dump_dir", &r.dump_dir, MAX_PATH_BYTES)?;
+        let max = orchestrator_model::limits::MAX_WORLD_SIZE;
+        if r.dp_size == 0 || r.dp_size as usize > max || r.dp_rank >= r.dp_size {
+            return Err(RankError::DpRank { dp_rank: r.dp_rank, dp_size: r.dp_size, max });
+        }
         let (tp, rank) = (r.tp_size as usize, r.tp_rank as usize);
         orchestrator_model::RankShard::new(&source.config().geometry, tp, rank).map_err(|e| RankError::Shard(Box::new(e)))?;
         let listener = RingListener::bind(SocketAddr::new(self.ring_ip, 0)).map_err(|why| RankError::Listener { ip: self.ring_ip, why })?;

@@ -369,7 +369,7 @@ mod tests {
 
     /// Every name or path a request gives is bounded: a value of megabytes is refused with the
     /// field named in a short message (before: echoed back whole, past what a gRPC status
-    /// carries), and nothing changes on the rank.
+    /// carries), as is a DP rank outside its DP size, and nothing changes on the rank.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_oversized_name_or_path_gets_a_short_refusal_naming_its_field() {
         let tmp = tempfile::tempdir().unwrap();
@@ -400,6 +400,12 @@ mod tests {
             ),
             (svc.set_serving(Request::new(pb::SetServingRequest { serving: true, version: huge.clone() })).await.map(drop), "version"),
         ];
+        for (dp_rank, dp_size) in [(0, 0), (1, 1), (0, u32::MAX)] {
+            let r = pb::AssignRequest { dp_rank, dp_size, ..assign(src("A"), "rceil", "") };
+            let e = svc.assign(Request::new(r)).await.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(e.message().starts_with(&format!("assign: dp_rank {dp_rank} of dp_size {dp_size}")), "{}", e.message());
+        }
         for (result, field) in cases {
             let e = result.unwrap_err();
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{field}: {e:?}");
