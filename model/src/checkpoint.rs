@@ -64,6 +64,7 @@ pub struct Shard {
 impl Shard {
     /// Maps and parses a shard. `wanted` names the tensor the caller is after, for errors.
     pub fn open(path: &Path, wanted: &str) -> Result<Self, ModelError> {
+        crate::regular_file(path)?;
         let file = File::open(path).map_err(|source| {
             if source.kind() == std::io::ErrorKind::NotFound {
                 ModelError::MissingShard { file: path.to_path_buf(), tensor: wanted.to_string() }

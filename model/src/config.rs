@@ -85,6 +85,7 @@ fn object<'a, T: Deserialize<'a>>(raw: &'a str) -> Result<T, String> {
 /// anything is read).
 pub(crate) fn read_bounded(file: &Path, limit: u64) -> Result<Vec<u8>, ModelError> {
     let io = |source| ModelError::Io { path: file.to_path_buf(), source };
+    crate::regular_file(file)?;
     let f = std::fs::File::open(file).map_err(io)?;
     let len = f.metadata().map_err(io)?.len();
     if len > limit {

@@ -33,6 +33,10 @@ pub enum ModelError {
     Config { file: PathBuf, why: String },
     #[error("{file}: {why}")]
     Index { file: PathBuf, why: String },
+    /// A checkpoint file that is a pipe, a device or a directory (opening a pipe would wait for
+    /// a writer forever).
+    #[error("{file} is not a regular file ({kind})")]
+    NotAFile { file: PathBuf, kind: &'static str },
     #[error("{file} is {bytes} bytes, over the limit of {limit} bytes read into memory")]
     FileTooLarge { file: PathBuf, bytes: u64, limit: u64 },
     #[error("unknown preset `{name}` (known: {known})")]
@@ -67,4 +71,27 @@ pub enum ModelError {
     Roots(#[from] RootsError),
     #[error("writing {path}: {why}")]
     Write { path: PathBuf, why: String },
+}
+
+/// `path` when it is a regular file (symlinks followed), before it is opened: a pipe would
+/// block its opener until something writes to it, and a device or a directory is no
+/// checkpoint file. A path that does not exist passes (its opener says so).
+pub(crate) fn regular_file(path: &std::path::Path) -> Result<(), ModelError> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(meta) = std::fs::metadata(path) else { return Ok(()) };
+    let t = meta.file_type();
+    let kind = if t.is_file() {
+        return Ok(());
+    } else if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a pipe"
+    } else if t.is_char_device() || t.is_block_device() {
+        "a device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a file"
+    };
+    Err(ModelError::NotAFile { file: path.to_path_buf(), kind })
 }

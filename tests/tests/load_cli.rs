@@ -139,6 +139,37 @@ fn corrupt_checkpoint_fails_inspect_and_load_naming_the_tensor() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// A shard or a config that is a pipe (or a directory) is refused by name at once: opening a
+/// pipe waited for a writer forever, inside a load or a stage.
+#[test]
+fn a_checkpoint_file_that_is_a_pipe_is_refused_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    synth(&dir, "fp8", "3");
+    let mut shards: Vec<_> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "safetensors")).collect();
+    shards.sort();
+    let last = shards.last().unwrap();
+    std::fs::remove_file(last).unwrap();
+    assert!(std::process::Command::new("mkfifo").arg(last).status().unwrap().success());
+    let want = format!("{} is not a regular file (a pipe)", last.display());
+    for (bin, args) in [
+        ("orchestrator-worker", vec!["load", "--checkpoint", dir.to_str().unwrap(), "--tp", "2"]),
+        ("orchestrator", vec!["checkpoint", "inspect", dir.to_str().unwrap()]),
+    ] {
+        let t = std::time::Instant::now();
+        let o = run(bin, &args);
+        assert!(!o.status.success(), "{bin} {args:?}");
+        let text = format!("{}{}", stdout(&o), stderr(&o));
+        assert!(text.contains(&want), "{bin} {args:?}: {text}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(20), "{bin} {args:?} took {:?}", t.elapsed());
+    }
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    std::fs::create_dir(dir.join("config.json")).unwrap();
+    let o = run("orchestrator-worker", &["load", "--checkpoint", dir.to_str().unwrap(), "--tp", "2"]);
+    assert!(stderr(&o).contains("config.json is not a regular file (a directory)"), "{}", stderr(&o));
+}
+
 #[test]
 fn probe_from_the_command_line_passes_and_is_deterministic() {
     let args = ["load", "--dummy", "--preset", "tiny", "--layers", "1", "--tp", "2", "--probe", "4,16,5", "--json"];
