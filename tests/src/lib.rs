@@ -279,6 +279,8 @@ pub struct Standalone {
     pub workers: Vec<Child>,
     /// What coordinator commands run inside.
     pub prefix: Vec<String>,
+    /// The coordinator's `--ready-file` (in a folder of its own), written once it serves.
+    ready: (tempfile::TempDir, PathBuf),
 }
 
 impl Drop for Standalone {
@@ -296,8 +298,12 @@ impl Standalone {
     /// Starts `orchestrator coordinator --listen LISTEN --token-file TOKEN ARGS` (inside
     /// `prefix`) and waits until it listens.
     pub fn start(prefix: &[String], listen: &str, token: &std::path::Path, args: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let ready_file = dir.path().join("ready.json");
         let mut child = command_in(prefix, "orchestrator")
             .args(["coordinator", "--listen", listen, "--token-file", token.to_str().unwrap()])
+            .arg("--ready-file")
+            .arg(&ready_file)
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -323,10 +329,32 @@ impl Standalone {
             seen: Vec::new(),
             workers: Vec::new(),
             prefix: prefix.to_vec(),
+            ready: (dir, ready_file),
         };
         let line = s.wait_for("coordinator listening on ", std::time::Duration::from_secs(30));
         s.url = line.split(" (").nth(1).and_then(|r| r.split(')').next()).unwrap().to_string();
         s
+    }
+
+    /// Waits until the coordinator serves: its ready file names this coordinator's address and
+    /// process (panics with its stderr after `limit`, or when it exits first). The ready file.
+    pub fn wait_serving(&mut self, limit: std::time::Duration) -> serde_json::Value {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if let Ok(text) = std::fs::read_to_string(&self.ready.1) {
+                let ready: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+                assert_eq!(ready["pid"], self.child.id(), "{ready}");
+                assert_eq!(ready["coordinator"], self.url.as_str(), "{ready}");
+                return ready;
+            }
+            while let Ok(line) = self.lines.try_recv() {
+                self.seen.push(line);
+            }
+            if std::time::Instant::now() > deadline || self.child.try_wait().unwrap().is_some() {
+                panic!("the coordinator did not come to serve:\n{}", self.seen.join("\n"));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 
     /// Waits for a stderr line containing `needle` (panics with what it saw after `limit`).

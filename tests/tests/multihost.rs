@@ -73,7 +73,7 @@ fn workers_started_apart_join_verify_and_follow_rotation() {
         let log = tmp.path().join(format!("w{r}.log"));
         c.worker(&[], &env_refs(&env), &["--rank", "auto", "--allow-root", root.to_str().unwrap()], &log);
     }
-    c.wait_for("serving: ", Duration::from_secs(60));
+    c.wait_serving(Duration::from_secs(60));
     assert_eq!(c.health(&c.url, "", "10"), "SERVING");
     let report = c.report();
     assert_eq!(report["ok"], true, "{report:#}");
@@ -195,7 +195,7 @@ fn a_standalone_coordinator_is_recovered_and_adopts_the_remote_workers() {
         let env = slurm_env(r, 2, if r == 0 { "node-a" } else { "node-b" });
         c.worker(&[], &env_refs(&env), &["--rank", "auto", "--coordinator-grace", "60"], &tmp.path().join(format!("w{r}.log")));
     }
-    c.wait_for("serving: ", Duration::from_secs(60));
+    c.wait_serving(Duration::from_secs(60));
     let _ = c.child.kill();
     let _ = c.child.wait();
     let recovered = orchestrator_e2e::Served::recover(&state, &[]);

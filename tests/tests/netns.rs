@@ -106,7 +106,7 @@ fn tp_groups_spanning_two_hosts_over_tls_are_consistent_and_a_lost_host_is_named
         let log = tmp.path().join(format!("w{r}.log"));
         c.worker(&prefix, &[("ORCHESTRATOR_NODE_NAME", name.as_str())], &["--rank", &r.to_string(), "--advertise", addr], &log);
     }
-    c.wait_for("serving: ", Duration::from_secs(60));
+    c.wait_serving(Duration::from_secs(60));
     let report = c.report();
     assert_eq!(report["ok"], true, "{report:#}");
     for r in report["ranks"].as_array().unwrap() {
