@@ -22,7 +22,7 @@ use orchestrator_proto::v1 as pb;
 use tokio::sync::mpsc;
 
 pub use error::RankError;
-use probing::{Computed, adopt_round_trip, answer_of, compute_probe, keep_verified, reduce_and_answer};
+use probing::{Computed, adopt_round_trip, answer_of, compute_probe, keep_verified, peers_to_join, reduce_and_answer};
 use state::{InPlace, Plan, StageOptions, Staged, State, keep_or_drop, lock, prepare_spare, snapshot, still_holds, unshared, versions_of};
 
 use crate::collective::RingListener;
@@ -570,13 +570,14 @@ impl Rank {
                     spec.check_on(&weights.identity.geometry, weights.layers.len(), plan.tp_size)
                         .map_err(|error| RankError::ProbeSize { context: "probe", error })?;
                     let c = compute_probe(backend, &plan, &weights, &source, spec, check, &self.reference_cache)?;
+                    let peers = if phase == pb::ProbePhase::Whole { peers_to_join(&self.state, r)? } else { None };
                     let mut st = lock(&self.state);
                     let holds = still_holds(&st, r.shadow, &weights);
                     if phase == pb::ProbePhase::Whole {
                         if !holds {
                             return Err(RankError::Replaced);
                         }
-                        let answer = reduce_and_answer(&mut st, backend, r, &c)?;
+                        let answer = reduce_and_answer(&mut st, backend, r, &c, peers)?;
                         if r.shadow {
                             keep_verified(&mut st, Arc::downgrade(&weights), spec, check, c, &answer);
                         }
@@ -590,11 +591,12 @@ impl Rank {
                     Ok(answer)
                 }
                 pb::ProbePhase::Reduce => {
+                    let peers = peers_to_join(&self.state, r)?;
                     let mut st = lock(&self.state);
                     let staged = st.shadow.as_ref().map(|s| Arc::as_ptr(&s.weights));
                     let kept = st.computed.take().filter(|k| k.spec == spec && k.check == check && staged == Some(k.weights.as_ptr()));
                     let kept = kept.ok_or(RankError::NothingComputed)?;
-                    let answer = reduce_and_answer(&mut st, backend, r, &kept.probe)?;
+                    let answer = reduce_and_answer(&mut st, backend, r, &kept.probe, peers)?;
                     keep_verified(&mut st, kept.weights, spec, check, kept.probe, &answer);
                     Ok(answer)
                 }

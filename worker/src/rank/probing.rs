@@ -107,11 +107,29 @@ pub(crate) fn answer_of(st: &State, c: &ComputedProbe, y_digest: String, allredu
 
 /// The TP all-reduce of a probe's `y_partial` (in rank order) over the group's ring, or NCCL,
 /// and the answer.
+/// The peers of the ring a reduce for `r` joins, resolved (a name may wait on DNS) without the
+/// state held: `None` where it joins none (a GPU group, TP 1) or the rank is already in that
+/// ring. Held only to look.
+pub(crate) fn peers_to_join(state: &std::sync::Mutex<State>, r: &pb::ProbeRequest) -> Result<Option<Vec<SocketAddr>>, RankError> {
+    {
+        let st = super::state::lock(state);
+        let tp_size = st.plan.as_ref().map_or(1, |p| p.tp_size);
+        let joined = st.ring.as_ref().is_some_and(|(g, e, _)| (*g, *e) == (r.group, r.ring_epoch));
+        if !r.nccl_unique_id.is_empty() || tp_size <= 1 || joined {
+            return Ok(None);
+        }
+    }
+    r.peers.iter().map(|a| resolve_peer(a)).collect::<Result<_, _>>().map(Some)
+}
+
+/// `peers`: the ring's, resolved beforehand ([`peers_to_join`]); resolved here where the rank
+/// must join a ring it was not given them for (another probe's ring went away meanwhile).
 pub(crate) fn reduce_and_answer(
     st: &mut State,
     backend: &AnyBackend,
     r: &pb::ProbeRequest,
     c: &ComputedProbe,
+    peers: Option<Vec<SocketAddr>>,
 ) -> Result<pb::ProbeResult, RankError> {
     let plan = st.plan.as_ref().ok_or(RankError::NotAssigned)?;
     let (tp_rank, tp_size) = (plan.tp_rank, plan.tp_size);
@@ -127,7 +145,10 @@ pub(crate) fn reduce_and_answer(
         if st.ring.as_ref().is_none_or(|(g, e, _)| (*g, *e) != (r.group, r.ring_epoch)) {
             // A new group or epoch (after a failure): drop the old ring, join the new one.
             st.ring = None;
-            let peers: Vec<SocketAddr> = r.peers.iter().map(|a| resolve_peer(a)).collect::<Result<_, _>>()?;
+            let peers: Vec<SocketAddr> = match peers {
+                Some(p) => p,
+                None => r.peers.iter().map(|a| resolve_peer(a)).collect::<Result<_, _>>()?,
+            };
             let listener = st.listener.as_ref().ok_or(RankError::NoListener)?;
             let ring = listener
                 .connect_epoch(r.group, r.ring_epoch, tp_rank, &peers, timeout)
