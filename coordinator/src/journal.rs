@@ -304,6 +304,26 @@ struct Appender {
     len: u64,
     /// Set when a failed write could not be cut back off: the file is not appended to again.
     broken: Option<String>,
+    /// An update's end whose write failed: written before the next event (a later update's
+    /// begin over an update never ended would make the journal unreplayable).
+    owed: Option<Event>,
+    /// Tests: how many of the next writes fail as a full disk would.
+    #[cfg(test)]
+    fail_writes: u32,
+}
+
+impl Appender {
+    fn new(file: File, seq: u64, len: u64) -> Self {
+        Self {
+            file,
+            seq,
+            len,
+            broken: None,
+            owed: None,
+            #[cfg(test)]
+            fail_writes: 0,
+        }
+    }
 }
 
 /// The open journal.
@@ -339,7 +359,7 @@ impl Journal {
             std::fs::remove_file(&path).map_err(io)?;
         }
         let file = OpenOptions::new().create_new(true).append(true).open(&path).map_err(io)?;
-        Ok(Self { path, file: Mutex::new(Appender { file, seq: 0, len: 0, broken: None }), _lock: lock })
+        Ok(Self { path, file: Mutex::new(Appender::new(file, 0, 0)), _lock: lock })
     }
 
     /// Opens an existing journal to append to, after replaying it.
@@ -363,7 +383,7 @@ impl Journal {
             // Drop the torn tail so the next line starts clean.
             file.set_len(replayed.complete_bytes).map_err(io)?;
         }
-        let appender = Appender { file, seq: replayed.lines, len: replayed.complete_bytes, broken: None };
+        let appender = Appender::new(file, replayed.lines, replayed.complete_bytes);
         Ok((Self { path, file: Mutex::new(appender), _lock: lock }, replayed))
     }
 
@@ -374,8 +394,26 @@ impl Journal {
     /// Appends one event and flushes it to disk before returning.
     /// A write that fails (a full disk) is cut back off the file and uses up no sequence
     /// number, so the journal stays replayable; if even that fails, every later write is refused.
+    /// An update's end that could not be written is owed: it is written before the next event,
+    /// which fails (unwritten) while it cannot be.
     pub fn record(&self, event: Event) -> Result<(), JournalError> {
         let mut a = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(owed) = a.owed.take() {
+            let superseded = matches!((&owed, &event), (Event::UpdateEnd { update: o, .. }, Event::UpdateEnd { update: e, .. }) if o == e);
+            if !superseded && let Err(e) = self.write(&mut a, &owed) {
+                a.owed = Some(owed);
+                return Err(e);
+            }
+        }
+        let is_end = matches!(event, Event::UpdateEnd { .. });
+        let written = self.write(&mut a, &event);
+        if written.is_err() && is_end {
+            a.owed = Some(event);
+        }
+        written
+    }
+
+    fn write(&self, a: &mut Appender, event: &Event) -> Result<(), JournalError> {
         let io = |source| JournalError::Io { dir: self.path.parent().unwrap_or(Path::new(".")).to_path_buf(), source };
         if let Some(why) = &a.broken {
             return Err(JournalError::Invalid {
@@ -385,9 +423,14 @@ impl Journal {
         }
         let seq = a.seq + 1;
         let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        let mut text = serde_json::to_string(&Line { seq, unix_ms, event })
+        let mut text = serde_json::to_string(&Line { seq, unix_ms, event: event.clone() })
             .map_err(|e| JournalError::Invalid { file: self.path.clone(), message: e.to_string() })?;
         text.push('\n');
+        #[cfg(test)]
+        if a.fail_writes > 0 {
+            a.fail_writes -= 1;
+            return Err(io(std::io::Error::from(std::io::ErrorKind::StorageFull)));
+        }
         match a.file.write_all(text.as_bytes()).and_then(|()| a.file.sync_data()) {
             Ok(()) => {
                 a.seq = seq;
@@ -691,6 +734,37 @@ mod tests {
             assert!(matches!(&e, JournalError::Invalid { message, .. } if message.contains(want)), "{e}");
             assert_eq!(std::fs::read(&path).unwrap(), before, "{want}: the journal is untouched");
         }
+    }
+
+    /// An update's end lost to a failed write (a full disk) is written before the next event:
+    /// the next update's begin never lands over an update that did not end, which replay
+    /// refuses (and with it `recover`). While it cannot be written, nothing after it is.
+    #[test]
+    fn an_update_end_lost_to_a_failed_write_is_written_before_the_next_event() {
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        j.record(Event::Launched(plan())).unwrap();
+        j.record(begin(1)).unwrap();
+        let fail = |n| j.file.lock().unwrap().fail_writes = n;
+        fail(1);
+        j.note(Event::UpdateEnd { update: 1, ok: true, note: "done".into() });
+        assert_eq!(replay(j.path()).unwrap().unwrap().pending.map(|p| p.update), Some(1), "the end is not on disk");
+        // The owed end fails again: the next update's begin is refused, unwritten.
+        fail(1);
+        assert!(matches!(j.record(begin(2)), Err(JournalError::Io { .. })));
+        let r = replay(j.path()).unwrap().unwrap();
+        assert_eq!((r.lines, r.pending.map(|p| p.update)), (2, Some(1)));
+        // The disk has room again: the end first, then the begin.
+        j.record(begin(2)).unwrap();
+        let r = replay(j.path()).unwrap().unwrap();
+        assert_eq!((r.lines, r.pending.as_ref().map(|p| p.update)), (4, Some(2)), "update 1 ended, update 2 open");
+        assert_eq!(r.current_version, "vb", "update 1's end is the one the coordinator meant (ok)");
+        // An end owed and the same end written again: written once.
+        fail(1);
+        j.note(Event::UpdateEnd { update: 2, ok: false, note: "refused".into() });
+        j.record(Event::UpdateEnd { update: 2, ok: false, note: "refused".into() }).unwrap();
+        let r = replay(j.path()).unwrap().unwrap();
+        assert_eq!((r.lines, r.pending.is_none()), (5, true));
     }
 
     #[test]
