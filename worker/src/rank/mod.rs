@@ -43,7 +43,7 @@ pub struct Rank {
     pub(crate) state: Arc<Mutex<State>>,
     /// The host name its reports give.
     host: String,
-    roots: AllowedRoots,
+    pub(crate) roots: AllowedRoots,
     /// The device this rank loads and probes on (the CPU unless started on a GPU).
     pub(crate) backend: Arc<AnyBackend>,
     /// The IP the TP-ring listener binds and the host it is advertised as.
@@ -182,13 +182,28 @@ impl Rank {
             .map(|p| ProbeSpec::checked(p.tokens, p.latents, p.seed))
             .transpose()
             .map_err(|error| RankError::ProbeSize { context: "stage: reference", error })?;
+        let epoch = self.begin_stage();
         let source = crate::background::run(|| LoadSource::from_pb(Some(s), &self.roots))?;
+        self.stage_opened(source, StageOptions { reference, defer_round_trip: r.defer_round_trip, epoch: Some(epoch) })
+    }
+
+    /// A stage's epoch, taken as its request arrives, before its source is opened (hashing it
+    /// can take long): an abort or a later stage meanwhile supersedes it, so a stage a
+    /// coordinator gave up on never lands over what came after it.
+    pub(crate) fn begin_stage(&self) -> u64 {
+        let mut st = lock(&self.state);
+        st.stage_epoch += 1;
+        st.stage_epoch
+    }
+
+    /// The rest of [`Rank::stage`] once its source is open.
+    pub(crate) fn stage_opened(&self, source: LoadSource, options: StageOptions) -> Result<Progress, RankError> {
         // Refused here, as a bad request, rather than when the staged version is verified.
-        if let (Some(spec), Some(tp)) = (reference, lock(&self.state).plan.as_ref().map(|p| p.tp_size)) {
+        if let (Some(spec), Some(tp)) = (options.reference, lock(&self.state).plan.as_ref().map(|p| p.tp_size)) {
             let g = &source.config().geometry;
             spec.check_on(g, g.layers, tp).map_err(|error| RankError::ProbeSize { context: "stage: reference", error })?;
         }
-        self.start_load(Some(source), true, StageOptions { reference, defer_round_trip: r.defer_round_trip })
+        self.start_load(Some(source), true, options)
     }
 
     /// Swaps the staged version in ([`State::commit`]).
@@ -225,7 +240,11 @@ impl Rank {
         let ((source, tp, rank, dp_rank, rule, fault, total, dump_dir, epoch), spare) = {
             let mut st = lock(&self.state);
             if shadow {
-                st.stage_epoch += 1;
+                match stage.epoch {
+                    Some(e) if e != st.stage_epoch => return Err(RankError::Superseded),
+                    Some(_) => {}
+                    None => st.stage_epoch += 1,
+                }
                 keep_or_drop(&mut st, |st| st.previous.take().and_then(|(w, _)| unshared(w)));
             }
             let epoch = st.stage_epoch;

@@ -116,6 +116,9 @@ pub(crate) struct StageOptions {
     /// Run no round trip: the replica is verified as byte-identical to one that ran it, whose
     /// verdict its verification report adopts (see [`adopt_round_trip`]).
     pub(crate) defer_round_trip: bool,
+    /// The stage epoch the Stage request took as it arrived ([`super::Rank::begin_stage`]): a
+    /// later stage or abort, even one while its source was still being opened, supersedes it.
+    pub(crate) epoch: Option<u64>,
 }
 
 pub(crate) fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {

@@ -414,6 +414,27 @@ mod tests {
         assert_eq!(svc.rank.versions(), before, "the rank holds what it held");
     }
 
+    /// A stage takes its epoch as its request arrives: an abort that comes while its source is
+    /// still being opened (hashed) supersedes it, and it never lands (before, it took its epoch
+    /// only once the source was open, and landed over whatever came after it). Without the
+    /// abort, the same stage lands.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_abort_while_a_stage_opens_its_source_supersedes_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, src) = loaded_worker(tmp.path()).await;
+        let open = || crate::source::LoadSource::from_pb(Some(&src("B")), &svc.rank.roots).unwrap();
+        let options = |epoch| crate::rank::state::StageOptions { epoch: Some(epoch), ..Default::default() };
+        let epoch = svc.rank.begin_stage();
+        svc.rank.abort(false, "").unwrap();
+        assert!(matches!(svc.rank.stage_opened(open(), options(epoch)), Err(RankError::Superseded)));
+        assert!(lock(&svc.rank.state).shadow.is_none(), "nothing staged");
+        // A later stage's epoch supersedes an earlier one's the same way.
+        let (first, second) = (svc.rank.begin_stage(), svc.rank.begin_stage());
+        assert!(matches!(svc.rank.stage_opened(open(), options(first)), Err(RankError::Superseded)));
+        drain(svc.rank.stage_opened(open(), options(second)).map(|p| Response::new(stream(p))).map_err(Status::from)).await;
+        assert!(lock(&svc.rank.state).shadow.is_some(), "the latest stage lands");
+    }
+
     async fn probe(svc: &WorkerService, phase: pb::ProbePhase, shadow: bool, seed: u64) -> Result<pb::ProbeResult, Status> {
         let req = pb::ProbeRequest { tokens: 2, latents: 16, seed, shadow, phase: phase.into(), ..Default::default() };
         svc.probe(Request::new(req)).await.map(Response::into_inner)
