@@ -266,6 +266,12 @@ impl State {
         keep_or_drop(self, |st| st.shadow.take().and_then(|s| unshared(s.weights)));
         self.stage_epoch += 1;
         if rollback {
+            // Asked again after a rollback whose answer was lost: the rank is already on the
+            // version asked for, with nothing kept; it says so, as a commit asked again does.
+            let active = versions_of(self).0;
+            if self.previous.is_none() && !expected.is_empty() && active == expected {
+                return Ok(active);
+            }
             let (kept, source) = self.previous.take().ok_or(RankError::NothingKept)?;
             let version = source.version();
             if !expected.is_empty() && version != expected {
@@ -383,6 +389,10 @@ mod tests {
         assert_eq!(st.stage_epoch, epoch + 3, "every abort bumps the stage epoch");
         assert_eq!((st.weights.as_ref().unwrap().generation, st.load_path, st.load_seconds), (3, "real", 1.0));
         assert!(matches!(st.abort(true, ""), Err(NothingKept)));
+        // A rollback asked again (its answer lost): already on that version, nothing moves.
+        assert_eq!(st.abort(true, &a).unwrap(), a);
+        assert_eq!((versions_of(&st).0, st.weights.as_ref().unwrap().generation), (a.clone(), 3));
+        assert!(matches!(st.abort(true, &b), Err(NothingKept)), "not to another version");
 
         // A plain abort drops what is staged and keeps the active version.
         stage(&mut st, 3);
