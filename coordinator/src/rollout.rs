@@ -137,7 +137,7 @@ pub type RankHealth = Option<crate::cluster::RankDown>;
 /// What the health loop does with a replica.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum HealthAction {
-    /// Serving and healthy, or out for a reason the loop does not own (an update): nothing.
+    /// Serving and healthy, or owned by an update (unless it serves with a rank down): nothing.
     Keep,
     /// Take it out of rotation (a rank died or stalled), with why.
     Pull { why: String },
@@ -152,7 +152,10 @@ pub enum HealthAction {
 /// each rank (`None`: healthy; `Some(down)`: why not), and a pending commit.
 pub fn health_action(serving: bool, owned_by_update: bool, ranks: &[RankHealth], pending_commit: Option<&str>) -> HealthAction {
     let down: Vec<&crate::cluster::RankDown> = ranks.iter().flatten().collect();
-    if owned_by_update {
+    // An update owns the replica: the loop keeps its hands off, but for pulling one that still
+    // serves (it stages while it serves) when a rank is down, as a failed routed probe does;
+    // the update, or else this loop, proves it again before it serves.
+    if owned_by_update && (!serving || down.is_empty()) {
         return HealthAction::Keep;
     }
     match (serving, down.is_empty()) {
@@ -274,8 +277,12 @@ mod tests {
             // Out and healthy again: a probe decides (finishing a pending commit first).
             (false, false, vec![None, None], None, HealthAction::TryReinstate { finish_commit: None }),
             (false, false, vec![None, None], Some("B"), HealthAction::TryReinstate { finish_commit: Some("B".into()) }),
-            // An update owns the replica: the loop keeps its hands off.
-            (false, true, vec![None, killed], None, HealthAction::Keep),
+            // An update owns the replica: the loop keeps its hands off, but for pulling one that
+            // still serves (it stages while it serves) with a rank down.
+            (false, true, vec![None, killed.clone()], None, HealthAction::Keep),
+            (true, true, vec![None, None], None, HealthAction::Keep),
+            (true, true, vec![None, killed], None, HealthAction::Pull { why: killed_why.into() }),
+            (true, true, vec![stalled, None], None, HealthAction::Pull { why: stalled_why.into() }),
         ];
         for (serving, owned, ranks, pending, want) in table {
             assert_eq!(health_action(serving, owned, &ranks, pending), want, "{serving} {owned} {ranks:?} {pending:?}");
