@@ -263,6 +263,7 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_net::grpc::
     let cluster = &session.cluster;
     let rotation = &session.rotation;
     let mut readiness = Readiness::default();
+    let mut reinstating: std::collections::BTreeMap<u32, tokio::task::JoinHandle<()>> = Default::default();
     loop {
         readiness.sync(&session, &health).await;
         tokio::time::sleep(limits::HEALTH_INTERVAL).await;
@@ -288,36 +289,45 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_net::grpc::
                     }
                 }
                 HealthAction::TryReinstate { finish_commit } => {
-                    if !rotation.attempt_due(dp, limits::REINSTATE_BACKOFF) {
+                    // One attempt per replica at a time, each on a task of its own: a replica whose
+                    // commit or probe hangs holds up neither the others' attempts nor the pulls.
+                    if reinstating.get(&dp).is_some_and(|t| !t.is_finished()) || !rotation.attempt_due(dp, limits::REINSTATE_BACKOFF) {
                         continue;
                     }
-                    if let Some(version) = finish_commit {
-                        match drive_commit(cluster, dp, &version, limits::COMMIT_CALL_DEADLINE).await {
-                            CommitStatus::Done => {
-                                if let Some(j) = &session.journal {
-                                    j.note(Event::CommitConfirmed { dp, version: version.clone() });
-                                }
-                                rotation.set_pending_commit(dp, None);
-                                rotation.observed_version(dp, &version);
-                                orchestrator_ops::status!(replica = dp, version = version.as_str(); "replica dp{dp}: every rank confirmed the decided commit to {version}");
-                            }
-                            other => {
-                                tracing::info!(dp, "pending commit to {version} not finished yet: {other:?}");
-                                continue;
-                            }
-                        }
-                    }
-                    let attempt = try_reinstate(cluster, rotation, dp, session.update_probe(), Proof::Verified, false);
-                    match tokio::time::timeout(limits::REINSTATE_TIMEOUT, attempt).await {
-                        Ok(Ok(v)) => {
-                            orchestrator_ops::status!(replica = dp, version = v.as_str(); "replica dp{dp}: back in rotation on {v} after a passing probe")
-                        }
-                        Ok(Err(why)) => tracing::info!(dp, "replica stays out of rotation: {why}"),
-                        Err(_) => tracing::warn!(dp, "replica stays out of rotation: its probe took over {:?}", limits::REINSTATE_TIMEOUT),
-                    }
+                    reinstating.insert(dp, tokio::spawn(reinstate_replica(session.clone(), dp, finish_commit)));
                 }
             }
         }
+    }
+}
+
+/// The health loop's attempt to bring replica `dp` back: finish its pending commit first (if
+/// any), then probe it; it serves again only when the probe passes.
+async fn reinstate_replica(session: Arc<Session>, dp: u32, finish_commit: Option<String>) {
+    let (cluster, rotation) = (&session.cluster, &session.rotation);
+    if let Some(version) = finish_commit {
+        match drive_commit(cluster, dp, &version, limits::COMMIT_CALL_DEADLINE).await {
+            CommitStatus::Done => {
+                if let Some(j) = &session.journal {
+                    j.note(Event::CommitConfirmed { dp, version: version.clone() });
+                }
+                rotation.set_pending_commit(dp, None);
+                rotation.observed_version(dp, &version);
+                orchestrator_ops::status!(replica = dp, version = version.as_str(); "replica dp{dp}: every rank confirmed the decided commit to {version}");
+            }
+            other => {
+                tracing::info!(dp, "pending commit to {version} not finished yet: {other:?}");
+                return;
+            }
+        }
+    }
+    let attempt = try_reinstate(cluster, rotation, dp, session.update_probe(), Proof::Verified, false);
+    match tokio::time::timeout(limits::REINSTATE_TIMEOUT, attempt).await {
+        Ok(Ok(v)) => {
+            orchestrator_ops::status!(replica = dp, version = v.as_str(); "replica dp{dp}: back in rotation on {v} after a passing probe")
+        }
+        Ok(Err(why)) => tracing::info!(dp, "replica stays out of rotation: {why}"),
+        Err(_) => tracing::warn!(dp, "replica stays out of rotation: its probe took over {:?}", limits::REINSTATE_TIMEOUT),
     }
 }
 
