@@ -129,3 +129,77 @@ fn a_restarted_coordinator_names_a_worker_that_died_meanwhile_and_serves_on() {
     assert_eq!(end["ok"], false, "{events:#?}");
     assert!(!has_step(&events[events.iter().position(|e| e["event"] == "recovered").unwrap()..], 1, "committed"));
 }
+
+/// A tmpfs of `size` mounted on `dir` for as long as it lives (`None` where this process may
+/// not mount: not root).
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path, size: &str) -> Option<Self> {
+        let o = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"]).arg(dir).output().ok()?;
+        o.status.success().then(|| Self(dir.to_path_buf()))
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// The state directory's disk full (a real one: a small tmpfs, filled up) while updates run:
+/// each update that meets it fails or is refused and leaves every TP group on one version; once
+/// there is room again an update succeeds, and a coordinator killed then is recovered from its
+/// journal (before, an update's end lost to the full disk left the journal unreplayable as soon
+/// as the next update began).
+#[test]
+fn a_full_state_disk_fails_updates_cleanly_and_the_journal_stays_recoverable() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b, state) = (tmp.path().join("A"), tmp.path().join("B"), tmp.path().join("state"));
+    std::fs::create_dir(&state).unwrap();
+    let Some(_disk) = Tmpfs::mount(&state, "256k") else {
+        eprintln!("skipped: mounting a tmpfs needs root");
+        return;
+    };
+    synth_tiny_layers(&a, "1", 2);
+    synth_tiny_layers(&b, "2", 2);
+    let mut cluster = Served::on_checkpoint("2", "2", &a, tmp.path(), &["--state-dir", state.to_str().unwrap()]);
+    // Fill the disk: only the journal's last page has room left.
+    let filler = state.join("filler");
+    let mut f = std::fs::File::create(&filler).unwrap();
+    while std::io::Write::write_all(&mut f, &[0u8; 4096]).is_ok() {}
+    drop(f);
+    let one_version_per_group = |report: &Value| {
+        let ranks = report["ranks"].as_array().unwrap();
+        for dp in 0..2 {
+            let held: std::collections::BTreeSet<&str> =
+                ranks.iter().filter(|r| r["dp"] == dp).map(|r| r["checkpoint_version"].as_str().unwrap()).collect();
+            assert_eq!(held.len(), 1, "replica dp{dp} holds {held:?}: {report:#}");
+        }
+    };
+    let mut failed = None;
+    for (i, target) in [&b, &a, &b, &a, &b, &a].into_iter().enumerate() {
+        let doc = cluster.update_doc(target);
+        one_version_per_group(&cluster.report());
+        if doc["update"]["ok"] != true {
+            failed = Some((i, doc));
+            break;
+        }
+    }
+    let (i, doc) = failed.expect("an update met the full disk");
+    assert!(doc["update"]["steps"].to_string().contains("journal"), "update {i}: {doc:#}");
+    // Room again: an update to B succeeds, on every replica.
+    std::fs::remove_file(&filler).unwrap();
+    let doc = cluster.update_doc(&b);
+    assert_eq!(doc["update"]["ok"], true, "{doc:#}");
+    let version_b = doc["update"]["new_version"].as_str().unwrap().to_string();
+    assert!(versions(&cluster.report()).iter().all(|v| *v == version_b));
+    // The journal replays: a coordinator killed now is recovered, on B.
+    cluster.kill_coordinator();
+    let recovered = Served::recover(&state, &[]);
+    let after = recovered.report();
+    assert_eq!(after["ok"], true, "{after:#}");
+    assert!(versions(&after).iter().all(|v| *v == version_b), "{after:#}");
+    let o = recovered.cmd("shutdown", &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
