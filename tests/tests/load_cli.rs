@@ -117,18 +117,21 @@ fn impossible_tp_is_refused_with_the_reason() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// A tiny FP8 checkpoint (seed 3) in `dir`, and its last shard (in name order).
+fn synth_fp8_with_its_last_shard(dir: &Path) -> std::path::PathBuf {
+    synth(dir, "fp8", "3");
+    let shards = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path());
+    shards.filter(|p| p.extension().is_some_and(|e| e == "safetensors")).max().unwrap()
+}
+
 #[test]
 fn corrupt_checkpoint_fails_inspect_and_load_naming_the_tensor() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");
-    synth(&dir, "fp8", "3");
+    let last = synth_fp8_with_its_last_shard(&dir);
     // Truncate the last shard: its last tensor's data is cut.
-    let mut shards: Vec<_> =
-        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "safetensors")).collect();
-    shards.sort();
-    let last = shards.last().unwrap();
-    let len = std::fs::metadata(last).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(last).unwrap().set_len(len - 100).unwrap();
+    let len = std::fs::metadata(&last).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&last).unwrap().set_len(len - 100).unwrap();
     let inspect = run("orchestrator", &["checkpoint", "inspect", dir.to_str().unwrap()]);
     assert_eq!(inspect.status.code(), Some(1), "{}", stdout(&inspect));
     assert!(stdout(&inspect).contains("INVALID") && stdout(&inspect).contains("truncated"), "{}", stdout(&inspect));
@@ -145,13 +148,9 @@ fn corrupt_checkpoint_fails_inspect_and_load_naming_the_tensor() {
 fn a_checkpoint_file_that_is_a_pipe_is_refused_at_once() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");
-    synth(&dir, "fp8", "3");
-    let mut shards: Vec<_> =
-        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "safetensors")).collect();
-    shards.sort();
-    let last = shards.last().unwrap();
-    std::fs::remove_file(last).unwrap();
-    assert!(std::process::Command::new("mkfifo").arg(last).status().unwrap().success());
+    let last = synth_fp8_with_its_last_shard(&dir);
+    std::fs::remove_file(&last).unwrap();
+    assert!(std::process::Command::new("mkfifo").arg(&last).status().unwrap().success());
     let want = format!("{} is not a regular file (a pipe)", last.display());
     for (bin, args) in [
         ("orchestrator-worker", vec!["load", "--checkpoint", dir.to_str().unwrap(), "--tp", "2"]),
