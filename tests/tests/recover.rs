@@ -130,6 +130,41 @@ fn a_restarted_coordinator_names_a_worker_that_died_meanwhile_and_serves_on() {
     assert!(!has_step(&events[events.iter().position(|e| e["event"] == "recovered").unwrap()..], 1, "committed"));
 }
 
+/// The coordinator killed right after a replica's commit was decided, while its ranks swap
+/// (dp0/tp1 commits a second late, so dp0 is split between the versions when it dies): the
+/// restarted coordinator drives that decided commit to every rank (never an abort), finishes
+/// the update, and no rank is left on a mixed version.
+#[test]
+fn a_commit_decided_before_the_coordinator_died_is_finished_by_recover() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b, state) = (tmp.path().join("A"), tmp.path().join("B"), tmp.path().join("state"));
+    synth_tiny_layers(&a, "1", 2);
+    synth_tiny_layers(&b, "2", 2);
+    let mut cluster =
+        Served::on_checkpoint("2", "2", &a, tmp.path(), &["--state-dir", state.to_str().unwrap(), "--inject-fault", "1:slow-commit"]);
+    let update = cluster.update_in_background(&["--checkpoint", b.to_str().unwrap()]);
+    let events = wait_for_journal(&state, Duration::from_secs(60), |e| has_step(e, 0, "decided"));
+    cluster.kill_coordinator();
+    assert!(!has_step(&events, 0, "committed"), "the kill must land before dp0's commit is confirmed: {events:#?}");
+    let o = update.wait_with_output().unwrap();
+    assert!(!o.status.success(), "{}", stdout(&o));
+    let version_b = events.iter().find(|e| e["event"] == "update_begin").unwrap()["new_version"].as_str().unwrap().to_string();
+    let recovered = Served::recover(&state, &[]);
+    let after = recovered.report();
+    assert_eq!(after["ok"], true, "{after:#}");
+    assert!(versions(&after).iter().all(|v| *v == version_b), "{after:#}");
+    // dp0's decided commit was finished (no abort of it anywhere), then dp1 went through.
+    let events = journal(&state);
+    assert!(!events.iter().any(|e| e["event"] == "update_step" && e["dp"] == 0 && e["step"] == "aborted"), "{events:#?}");
+    let recovered_at = events.iter().position(|e| e["event"] == "recovered").unwrap();
+    assert!(
+        events[recovered_at..].iter().any(|e| (e["event"] == "commit_confirmed" || e["step"] == "committed") && e["dp"] == 0),
+        "{events:#?}"
+    );
+    let o = recovered.cmd("shutdown", &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
 /// A tmpfs of `size` mounted on `dir` for as long as it lives (`None` where this process may
 /// not mount: not root).
 struct Tmpfs(std::path::PathBuf);
