@@ -314,6 +314,33 @@ fn a_commit_pending_on_a_stalled_rank_is_finished_when_it_answers() {
     assert!(o.status.success(), "{}", stdout(&o));
 }
 
+/// A rank hung in its Commit call while it heartbeats on (alive, not stopped: the health loop
+/// sees nothing wrong with it), past `--commit-timeout`: the update reports the rank (never an
+/// abort), its replica stays out with the commit pending, and the health loop, finding every
+/// rank healthy, drives the decided commit again, which the rank answers; the replica serves B.
+#[test]
+fn a_decided_commit_to_a_rank_hung_in_the_call_is_driven_again_until_it_answers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let (cluster, version_a, b) = start_with(tmp.path(), &state, &["--commit-timeout", "2", "--inject-fault", "1:hung-commit"]);
+    let o = cluster.cmd("update", &["--checkpoint", &b, "--json"]);
+    let out: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(&o), stderr(&o)));
+    let version_b = out["update"]["new_version"].as_str().unwrap().to_string();
+    assert_eq!(out["update"]["ok"], false, "{out:#}");
+    assert_eq!(out["update"]["pending_commits"]["0"], version_b.as_str(), "{out:#}");
+    assert_eq!(out["update"]["failure"]["kind"], "commit_unconfirmed", "{out:#}");
+    let steps = steps_of(&out, 0);
+    assert!(steps.contains("rank dp0/tp1") && !steps.contains("kept version"), "{steps}");
+    assert!(!has_step(&journal(&state), 0, "aborted"), "a decided commit is never aborted: {:#?}", journal(&state));
+    // No signal, no restart: the loop drives the commit again and the rank answers it.
+    let healed = wait_for_report(&cluster, Duration::from_secs(30), |r| serving(r, 0));
+    assert_no_mixed_group(&healed);
+    let dp0: Vec<String> = rank_versions(&healed).into_iter().filter(|(d, _, _)| *d == 0).map(|(_, _, v)| v).collect();
+    assert_eq!(dp0, [version_b.clone(), version_b.clone()], "{healed:#}");
+    assert!(journal(&state).iter().any(|e| e["event"] == "commit_confirmed" && e["dp"] == 0), "{:#?}", journal(&state));
+    assert!(rank_versions(&healed).iter().filter(|(d, _, _)| *d == 1).all(|(_, _, v)| *v == version_a), "{healed:#}");
+}
+
 /// Stalls and a kill at random moments (the seed is printed) under a probe load and an update:
 /// whatever lands where, no group serves two versions and the cluster converges.
 #[test]

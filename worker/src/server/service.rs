@@ -28,6 +28,8 @@ pub struct WorkerService {
     /// grpc.health.v1 readiness: SERVING only while the coordinator says the replica is in
     /// rotation on this rank's active version (none in in-process tests).
     health: Option<orchestrator_net::grpc::Health>,
+    /// The `hung-commit` fault has hung a Commit already (it hangs the first only).
+    hung_once: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn host_name() -> String {
@@ -48,7 +50,7 @@ impl WorkerService {
 
     /// The service of `rank`; `shutdown` is notified by the Shutdown RPC.
     pub fn serving(shutdown: Arc<Notify>, rank: Rank) -> Self {
-        Self { rank: Arc::new(rank), shutdown, health: None }
+        Self { rank: Arc::new(rank), shutdown, health: None, hung_once: Default::default() }
     }
 
     /// Reports readiness through `health`.
@@ -111,8 +113,13 @@ impl Worker for WorkerService {
 
     async fn commit(&self, request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
         let expected = request.into_inner().expected_version;
-        if self.blocking(|rank| Ok(rank.fault())).await? == pb::Fault::SlowCommit {
-            tokio::time::sleep(Duration::from_secs(1)).await;
+        match self.blocking(|rank| Ok(rank.fault())).await? {
+            pb::Fault::SlowCommit => tokio::time::sleep(Duration::from_secs(1)).await,
+            // Hung in the call (the caller's deadline ends it, which cancels the swap), once.
+            pb::Fault::HungCommit if !self.hung_once.swap(true, std::sync::atomic::Ordering::SeqCst) => {
+                tokio::time::sleep(Duration::from_secs(30)).await
+            }
+            _ => {}
         }
         // Mid-swap, and the new version is verified in rotation only after the swap.
         self.not_ready().await;
