@@ -302,13 +302,7 @@ fn a_commit_pending_on_a_stalled_rank_is_finished_when_it_answers() {
     assert_eq!(mid["replicas"][0]["pending_commit"], version_b.as_str(), "{mid:#}");
     assert_no_mixed_group(&mid);
     signal(victim, "CONT");
-    let healed = wait_for_report(&cluster, Duration::from_secs(30), |r| serving(r, 0));
-    assert_no_mixed_group(&healed);
-    let dp0: Vec<String> = rank_versions(&healed).into_iter().filter(|(d, _, _)| *d == 0).map(|(_, _, v)| v).collect();
-    assert_eq!(dp0, [version_b.clone(), version_b.clone()], "{healed:#}");
-    assert!(journal(&state).iter().any(|e| e["event"] == "commit_confirmed" && e["dp"] == 0), "{:#?}", journal(&state));
-    // dp1 was never touched by the stopped update: it serves A.
-    assert!(rank_versions(&healed).iter().filter(|(d, _, _)| *d == 1).all(|(_, _, v)| *v == version_a), "{healed:#}");
+    dp0_heals_onto(&cluster, &state, &version_b, &version_a);
     // Rolling out B again completes the cluster.
     let o = cluster.cmd("update", &["--checkpoint", &b, "--json"]);
     assert!(o.status.success(), "{}", stdout(&o));
@@ -333,12 +327,19 @@ fn a_decided_commit_to_a_rank_hung_in_the_call_is_driven_again_until_it_answers(
     assert!(steps.contains("rank dp0/tp1") && !steps.contains("kept version"), "{steps}");
     assert!(!has_step(&journal(&state), 0, "aborted"), "a decided commit is never aborted: {:#?}", journal(&state));
     // No signal, no restart: the loop drives the commit again and the rank answers it.
-    let healed = wait_for_report(&cluster, Duration::from_secs(30), |r| serving(r, 0));
+    dp0_heals_onto(&cluster, &state, &version_b, &version_a);
+}
+
+/// Waits until dp0, out with its commit to `version_b` pending, serves again: both its ranks on
+/// `version_b`, the confirmation journaled, no group mixed; dp1, which the stopped update never
+/// reached, still on `version_a`.
+fn dp0_heals_onto(cluster: &Served, state: &Path, version_b: &str, version_a: &str) {
+    let healed = wait_for_report(cluster, Duration::from_secs(30), |r| serving(r, 0));
     assert_no_mixed_group(&healed);
     let dp0: Vec<String> = rank_versions(&healed).into_iter().filter(|(d, _, _)| *d == 0).map(|(_, _, v)| v).collect();
-    assert_eq!(dp0, [version_b.clone(), version_b.clone()], "{healed:#}");
-    assert!(journal(&state).iter().any(|e| e["event"] == "commit_confirmed" && e["dp"] == 0), "{:#?}", journal(&state));
-    assert!(rank_versions(&healed).iter().filter(|(d, _, _)| *d == 1).all(|(_, _, v)| *v == version_a), "{healed:#}");
+    assert_eq!(dp0, [version_b, version_b], "{healed:#}");
+    assert!(journal(state).iter().any(|e| e["event"] == "commit_confirmed" && e["dp"] == 0), "{:#?}", journal(state));
+    assert!(rank_versions(&healed).iter().filter(|(d, _, _)| *d == 1).all(|(_, _, v)| v == version_a), "{healed:#}");
 }
 
 /// Stalls and a kill at random moments (the seed is printed) under a probe load and an update:
