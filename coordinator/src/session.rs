@@ -258,12 +258,15 @@ impl Readiness {
 /// Keeps the rotation true until the session ends: a replica leaves it when a rank dies or stops
 /// heartbeating, and one that is out while every rank is up is brought back (its pending
 /// commit finished first, journaled) once a probe passes. Replicas an update owns are the
-/// update's. Every rank's readiness (and the coordinator's, `health`) follows the rotation.
+/// update's, but for pulling one that still serves with a rank down. Each replica's attempt to
+/// come back runs on a task of its own, ended with the loop. Every rank's readiness (and the coordinator's, `health`) follows the rotation.
 pub async fn health_loop(session: Arc<Session>, health: orchestrator_net::grpc::Health) {
     let cluster = &session.cluster;
     let rotation = &session.rotation;
     let mut readiness = Readiness::default();
-    let mut reinstating: std::collections::BTreeMap<u32, tokio::task::JoinHandle<()>> = Default::default();
+    // Aborted when dropped: the attempts end with the loop (a stopping cluster drives no commit
+    // and reinstates nothing after its shutdown).
+    let mut reinstating: std::collections::BTreeMap<u32, AbortOnDrop> = Default::default();
     loop {
         readiness.sync(&session, &health).await;
         tokio::time::sleep(limits::HEALTH_INTERVAL).await;
@@ -291,13 +294,22 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_net::grpc::
                 HealthAction::TryReinstate { finish_commit } => {
                     // One attempt per replica at a time, each on a task of its own: a replica whose
                     // commit or probe hangs holds up neither the others' attempts nor the pulls.
-                    if reinstating.get(&dp).is_some_and(|t| !t.is_finished()) || !rotation.attempt_due(dp, limits::REINSTATE_BACKOFF) {
+                    if reinstating.get(&dp).is_some_and(|t| !t.0.is_finished()) || !rotation.attempt_due(dp, limits::REINSTATE_BACKOFF) {
                         continue;
                     }
-                    reinstating.insert(dp, tokio::spawn(reinstate_replica(session.clone(), dp, finish_commit)));
+                    reinstating.insert(dp, AbortOnDrop(tokio::spawn(reinstate_replica(session.clone(), dp, finish_commit))));
                 }
             }
         }
+    }
+}
+
+/// A task aborted when its handle is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
