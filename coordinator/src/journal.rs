@@ -171,8 +171,8 @@ pub struct PlanRecord {
 
 impl PlanRecord {
     /// Whether a launch could have written this plan: a cluster shape within the limits, one
-    /// worker per rank (`id = dp * tp_size + tp`, each once), NCCL ids in hex, a commit timeout
-    /// in (0, 3600] s. Says what is wrong otherwise.
+    /// worker per rank (`id = dp * tp_size + tp`, each once), NCCL ids in hex, a probe within the
+    /// size limits, a commit timeout in (0, 3600] s. Says what is wrong otherwise.
     pub fn check(&self) -> Result<(), String> {
         let world = orchestrator_model::limits::check_cluster(self.tp as usize, self.dp as usize, false)
             .map_err(|e| format!("tp {} dp {}: {e}", self.tp, self.dp))?;
@@ -191,6 +191,9 @@ impl PlanRecord {
             if from_hex(&w.nccl_unique_id).is_none() {
                 return Err(format!("{rank}: nccl_unique_id is not hex"));
             }
+        }
+        if let Some((t, s, seed)) = self.probe {
+            orchestrator_model::limits::check_probe(t as usize, s as usize).map_err(|e| format!("probe {t},{s},{seed}: {e}"))?;
         }
         match self.commit_timeout_ms {
             Some(ms) if ms == 0 || ms > 3_600_000 => Err(format!("commit_timeout_ms {ms}: must be in (0, 3600000]")),
@@ -713,6 +716,7 @@ mod tests {
                 "worker 2 (dp1/tp0): recorded twice",
             ),
             (|p| p.workers[0].nccl_unique_id = "zz".into(), "worker 0 (dp0/tp0): nccl_unique_id is not hex"),
+            (|p| p.probe = Some((0, 16, 0)), "probe 0,16,0: probe tokens must be at least 1"),
             (|p| p.commit_timeout_ms = Some(0), "commit_timeout_ms 0"),
             (|p| p.commit_timeout_ms = Some(u64::MAX), "commit_timeout_ms 18446744073709551615"),
         ];

@@ -249,8 +249,8 @@ fn resolve(
     let commit_timeout = a.commit_timeout.unwrap_or(orchestrator_proto::limits::COMMIT_DRIVE_LIMIT.as_secs_f64());
     let commit_timeout = Duration::try_from_secs_f64(commit_timeout)
         .ok()
-        .filter(|d| !d.is_zero() && d.as_secs() <= 3600)
-        .ok_or_else(|| anyhow::anyhow!("--commit-timeout {commit_timeout}: must be in (0, 3600] seconds"))?;
+        .filter(|d| (1..=3_600_000).contains(&d.as_millis()))
+        .ok_or_else(|| anyhow::anyhow!("--commit-timeout {commit_timeout}: must be from 0.001 to 3600 seconds"))?;
     let dump_dir = match &a.dump {
         Some(d) => {
             std::fs::create_dir_all(d).with_context(|| format!("--dump {}", d.display()))?;
