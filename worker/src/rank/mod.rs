@@ -182,27 +182,39 @@ impl Rank {
             .map(|p| ProbeSpec::checked(p.tokens, p.latents, p.seed))
             .transpose()
             .map_err(|error| RankError::ProbeSize { context: "stage: reference", error })?;
+        // What can be refused without opening the source is refused before the stage takes its
+        // epoch: a bad request supersedes no stage in progress. The reference's memory is checked
+        // on the running plan's geometry, which the staged version must have.
+        if let Some(pb::load_source::Kind::CheckpointDir(dir)) = &s.kind {
+            check_len("source.checkpoint_dir", dir, MAX_PATH_BYTES)?;
+        }
+        if let Some(pb::load_source::Kind::Dummy(d)) = &s.kind {
+            check_len("source.dummy.preset", &d.preset, MAX_NAME_BYTES)?;
+        }
+        if let Some(spec) = reference {
+            let st = lock(&self.state);
+            let plan = st.plan.as_ref().ok_or(RankError::LoadBeforeAssign)?;
+            let g = &plan.source.config().geometry;
+            spec.check_on(g, g.layers, plan.tp_size).map_err(|error| RankError::ProbeSize { context: "stage: reference", error })?;
+        }
         let epoch = self.begin_stage();
         let source = crate::background::run(|| LoadSource::from_pb(Some(s), &self.roots))?;
-        self.stage_opened(source, StageOptions { reference, defer_round_trip: r.defer_round_trip, epoch: Some(epoch) })
+        self.start_load(Some(source), true, StageOptions { reference, defer_round_trip: r.defer_round_trip, epoch: Some(epoch) })
     }
 
-    /// A stage's epoch, taken as its request arrives, before its source is opened (hashing it
-    /// can take long): an abort or a later stage meanwhile supersedes it, so a stage a
-    /// coordinator gave up on never lands over what came after it.
+    /// A stage's epoch, taken as its request arrives (once what can be refused without opening
+    /// its source was), before its source is opened (hashing it can take long): an abort or a
+    /// later stage meanwhile supersedes it, so a stage a coordinator gave up on never lands over
+    /// what came after it.
     pub(crate) fn begin_stage(&self) -> u64 {
         let mut st = lock(&self.state);
         st.stage_epoch += 1;
         st.stage_epoch
     }
 
-    /// The rest of [`Rank::stage`] once its source is open.
+    /// The rest of [`Rank::stage`] once its source is open (tests: a stage given its epoch).
+    #[cfg(test)]
     pub(crate) fn stage_opened(&self, source: LoadSource, options: StageOptions) -> Result<Progress, RankError> {
-        // Refused here, as a bad request, rather than when the staged version is verified.
-        if let (Some(spec), Some(tp)) = (options.reference, lock(&self.state).plan.as_ref().map(|p| p.tp_size)) {
-            let g = &source.config().geometry;
-            spec.check_on(g, g.layers, tp).map_err(|error| RankError::ProbeSize { context: "stage: reference", error })?;
-        }
         self.start_load(Some(source), true, options)
     }
 
