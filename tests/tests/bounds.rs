@@ -30,7 +30,7 @@ fn impossible_sizes_are_refused_before_anything_starts() {
         assert!(t.elapsed() < Duration::from_secs(5), "{args:?} took {:?}", t.elapsed());
     }
     // Within the size limits, but not within the memory a dsv41-flash rank would hold for it
-    // (about 28 GB at TP 1): refused before anything starts, with the probe named.
+    // (39.5 GB at TP 1): refused before anything starts, with the probe named.
     let o = run("orchestrator", &["launch", "--dummy", "--preset", "dsv41-flash", "--tp", "1", "--probe", "4096,1"]);
     assert!(!o.status.success(), "{}", stdout(&o));
     assert!(stderr(&o).contains("--probe 4096,1,0: probe working set (bytes)"), "{}", stderr(&o));

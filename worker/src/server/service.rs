@@ -348,8 +348,9 @@ mod tests {
     }
 
     /// A TP 2 rank refuses a probe that would reduce over a ring of other than two peers
-    /// (before: any number, each resolved while the rank's state was held), and computes a
-    /// first half, which joins no ring, whatever the peers.
+    /// (before: any number, each resolved while the rank's state was held); a first half, which
+    /// joins no ring, is not checked for peers (here it is refused for what it is: nothing is
+    /// staged to compute on).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_probe_names_one_peer_per_rank_of_its_group() {
         let tmp = tempfile::tempdir().unwrap();
