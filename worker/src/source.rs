@@ -176,11 +176,12 @@ impl LoadSource {
     /// The load source a request names; a checkpoint directory, and every file it is read from
     /// (config, index, each shard, symlinks resolved), must lie under `roots`.
     pub fn from_pb(source: Option<&pb::LoadSource>, roots: &AllowedRoots) -> Result<Self, SourceError> {
-        use orchestrator_proto::limits;
         use pb::load_source::Kind;
+        if let Some(s) = source {
+            Self::check_pb(s)?;
+        }
         match source.and_then(|s| s.kind.as_ref()) {
             Some(Kind::CheckpointDir(dir)) => {
-                let dir = limits::check_len("source.checkpoint_dir", dir, limits::MAX_PATH_BYTES)?;
                 let claim = source.and_then(|s| s.content.as_ref()).map(claim_from_pb).transpose().map_err(SourceError::Claim)?;
                 Self::open_checkpoint_claimed(Path::new(dir), roots, claim.as_ref()).map_err(|e| match e {
                     ModelError::Roots(e) => SourceError::Roots(e),
@@ -188,14 +189,28 @@ impl LoadSource {
                 })
             }
             Some(Kind::Dummy(d)) => {
-                let preset =
-                    limits::check_len("source.dummy.preset", &d.preset, limits::MAX_NAME_BYTES)?.parse().map_err(SourceError::Preset)?;
+                let preset = d.preset.parse().map_err(SourceError::Preset)?;
                 let layers = (d.layers > 0).then_some(d.layers as usize);
                 let config = ModelConfig::from_preset(preset, layers, d.bf16).map_err(SourceError::Dummy)?;
                 Ok(Self::Dummy { config, generator: Generator::new(d.seed) })
             }
             None => Err(SourceError::Missing),
         }
+    }
+}
+
+impl LoadSource {
+    /// What [`LoadSource::from_pb`] refuses without opening anything: a path or preset name longer
+    /// than any real one.
+    pub fn check_pb(source: &pb::LoadSource) -> Result<(), SourceError> {
+        use orchestrator_proto::limits::{MAX_NAME_BYTES, MAX_PATH_BYTES, check_len};
+        use pb::load_source::Kind;
+        match &source.kind {
+            Some(Kind::CheckpointDir(dir)) => check_len("source.checkpoint_dir", dir, MAX_PATH_BYTES).map(drop)?,
+            Some(Kind::Dummy(d)) => check_len("source.dummy.preset", &d.preset, MAX_NAME_BYTES).map(drop)?,
+            None => {}
+        }
+        Ok(())
     }
 }
 

@@ -185,12 +185,7 @@ impl Rank {
         // What can be refused without opening the source is refused before the stage takes its
         // epoch: a bad request supersedes no stage in progress. The reference's memory is checked
         // on the running plan's geometry, which the staged version must have.
-        if let Some(pb::load_source::Kind::CheckpointDir(dir)) = &s.kind {
-            check_len("source.checkpoint_dir", dir, MAX_PATH_BYTES)?;
-        }
-        if let Some(pb::load_source::Kind::Dummy(d)) = &s.kind {
-            check_len("source.dummy.preset", &d.preset, MAX_NAME_BYTES)?;
-        }
+        LoadSource::check_pb(s)?;
         if let Some(spec) = reference {
             let st = lock(&self.state);
             let plan = st.plan.as_ref().ok_or(RankError::LoadBeforeAssign)?;
