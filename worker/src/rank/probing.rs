@@ -119,7 +119,12 @@ pub(crate) fn peers_to_join(state: &std::sync::Mutex<State>, r: &pb::ProbeReques
             return Ok(None);
         }
     }
-    r.peers.iter().map(|a| resolve_peer(a)).collect::<Result<_, _>>().map(Some)
+    resolve_peers(&r.peers).map(Some)
+}
+
+/// Every peer address of a ring, resolved ([`resolve_peer`]).
+fn resolve_peers(peers: &[String]) -> Result<Vec<SocketAddr>, RankError> {
+    peers.iter().map(|a| resolve_peer(a)).collect()
 }
 
 /// `peers`: the ring's, resolved beforehand ([`peers_to_join`]); resolved here where the rank
@@ -147,7 +152,7 @@ pub(crate) fn reduce_and_answer(
             st.ring = None;
             let peers: Vec<SocketAddr> = match peers {
                 Some(p) => p,
-                None => r.peers.iter().map(|a| resolve_peer(a)).collect::<Result<_, _>>()?,
+                None => resolve_peers(&r.peers)?,
             };
             let listener = st.listener.as_ref().ok_or(RankError::NoListener)?;
             let ring = listener
