@@ -281,12 +281,9 @@ pub async fn recover(
             None => return Err(e),
         },
     };
-    let probe = match plan.probe {
-        Some((t, s, seed)) => {
-            Some(ProbeSpec::checked(t, s, seed).with_context(|| format!("{}: the plan's probe {t},{s},{seed}", journal.path().display()))?)
-        }
-        None => None,
-    };
+    // Its sizes were checked with the plan (`Journal::open`); here the memory it holds on a rank
+    // of this model (which checks the sizes too).
+    let probe = plan.probe.map(|(t, s, seed)| ProbeSpec { tokens: t as usize, latents: s as usize, seed });
     if let Some(p) = probe {
         let g = &config.geometry;
         p.check_on(g, g.layers, plan.tp as usize).with_context(|| format!("{}: the plan's probe {p}", journal.path().display()))?;
