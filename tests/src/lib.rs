@@ -51,6 +51,29 @@ pub struct Served {
     _ready: tempfile::TempDir,
 }
 
+/// Waits for `child` to write its `--ready-file` at `path` and reads it; panics with `why()` when
+/// the child exits first, or after `limit`.
+fn await_ready_file(
+    path: &std::path::Path,
+    child: &mut Child,
+    limit: Option<std::time::Duration>,
+    why: impl FnOnce() -> String,
+) -> serde_json::Value {
+    let start = std::time::Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            return serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}: {text}", path.display()));
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("({status}) {}", why());
+        }
+        if limit.is_some_and(|l| start.elapsed() > l) {
+            panic!("(after {:?}) {}", start.elapsed(), why());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// Gives a coordinator asked to shut down up to 10 s to stop its workers (adopted and remote
 /// ones are not its children), then kills it.
 fn stop_coordinator(child: &mut Child) {
@@ -116,15 +139,9 @@ impl Served {
                 }
             }
         });
-        let ready: serde_json::Value = loop {
-            if let Ok(text) = std::fs::read_to_string(&ready_file) {
-                break serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}: {text}", ready_file.display()));
-            }
-            if let Some(status) = child.try_wait().unwrap() {
-                panic!("`orchestrator {}` did not come up ({status}):\n{}", args.join(" "), said.lock().unwrap().join("\n"));
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        };
+        let ready = await_ready_file(&ready_file, &mut child, None, || {
+            format!("`orchestrator {}` did not come up:\n{}", args.join(" "), said.lock().unwrap().join("\n"))
+        });
         let field = |name: &str| ready[name].as_str().unwrap_or_else(|| panic!("the ready file has no {name}: {ready}")).to_string();
         let tls = ready["tls_dir"].as_str().map(|d| vec!["--tls-dir".to_string(), d.to_string()]).unwrap_or_default();
         Self { child, coordinator: field("coordinator"), token: field("token_file"), tls, _ready: dir }
@@ -339,22 +356,14 @@ impl Standalone {
     /// Waits until the coordinator serves: its ready file names this coordinator's address and
     /// process (panics with its stderr after `limit`, or when it exits first). The ready file.
     pub fn wait_serving(&mut self, limit: std::time::Duration) -> serde_json::Value {
-        let deadline = std::time::Instant::now() + limit;
-        loop {
-            if let Ok(text) = std::fs::read_to_string(&self.ready.1) {
-                let ready: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
-                assert_eq!(ready["pid"], self.child.id(), "{ready}");
-                assert_eq!(ready["coordinator"], self.url.as_str(), "{ready}");
-                return ready;
-            }
-            while let Ok(line) = self.lines.try_recv() {
-                self.seen.push(line);
-            }
-            if std::time::Instant::now() > deadline || self.child.try_wait().unwrap().is_some() {
-                panic!("the coordinator did not come to serve:\n{}", self.seen.join("\n"));
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        let (lines, seen) = (&self.lines, &mut self.seen);
+        let ready = await_ready_file(&self.ready.1, &mut self.child, Some(limit), || {
+            seen.extend(lines.try_iter());
+            format!("the coordinator did not come to serve:\n{}", seen.join("\n"))
+        });
+        assert_eq!(ready["pid"], self.child.id(), "{ready}");
+        assert_eq!(ready["coordinator"], self.url.as_str(), "{ready}");
+        ready
     }
 
     /// Waits for a stderr line containing `needle` (panics with what it saw after `limit`).
