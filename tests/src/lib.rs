@@ -248,6 +248,27 @@ pub fn synth_tiny_layers(dir: &std::path::Path, seed: &str, layers: u32) {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
+/// `(dp, tp) -> version` of every rank that answered a report.
+pub fn rank_versions(report: &serde_json::Value) -> Vec<(u64, u64, String)> {
+    report["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["failure"].is_null())
+        .map(|r| (r["dp"].as_u64().unwrap(), r["tp"].as_u64().unwrap(), r["checkpoint_version"].as_str().unwrap().to_string()))
+        .collect()
+}
+
+/// No TP group's answering ranks hold two versions.
+pub fn assert_no_mixed_group(report: &serde_json::Value) {
+    let ranks = rank_versions(report);
+    for (dp, _, v) in &ranks {
+        for (dp2, tp2, v2) in &ranks {
+            assert!(dp != dp2 || v == v2, "replica dp{dp} mixes versions {v} and {v2} (tp{tp2}): {report:#}");
+        }
+    }
+}
+
 /// Every rank's checkpoint version in a report (`--json`), in report order.
 pub fn versions(report: &serde_json::Value) -> Vec<String> {
     report["ranks"].as_array().unwrap().iter().map(|r| r["checkpoint_version"].as_str().unwrap().to_string()).collect()

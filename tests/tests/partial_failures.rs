@@ -8,7 +8,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use orchestrator_e2e::{Served, has_step, journal, stderr, stdout, synth_tiny as synth, wait_for_journal};
+use orchestrator_e2e::{
+    Served, assert_no_mixed_group, has_step, journal, rank_versions, stderr, stdout, synth_tiny as synth, wait_for_journal,
+};
 use serde_json::Value;
 
 fn signal(pid: u64, sig: &str) {
@@ -21,27 +23,6 @@ fn worker_pid(state: &Path, dp: u64, tp: u64) -> u64 {
     let events = journal(state);
     let workers = events[0]["workers"].as_array().unwrap();
     workers.iter().find(|w| w["dp"] == dp && w["tp"] == tp).unwrap()["pid"].as_u64().unwrap()
-}
-
-/// `(dp, tp) -> version` of every rank that answered a report.
-fn rank_versions(report: &Value) -> Vec<(u64, u64, String)> {
-    report["ranks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|r| r["failure"].is_null())
-        .map(|r| (r["dp"].as_u64().unwrap(), r["tp"].as_u64().unwrap(), r["checkpoint_version"].as_str().unwrap().to_string()))
-        .collect()
-}
-
-/// No TP group's answering ranks hold two versions.
-fn assert_no_mixed_group(report: &Value) {
-    let ranks = rank_versions(report);
-    for (dp, _, v) in &ranks {
-        for (dp2, tp2, v2) in &ranks {
-            assert!(dp != dp2 || v == v2, "replica dp{dp} mixes versions {v} and {v2} (tp{tp2}): {report:#}");
-        }
-    }
 }
 
 /// Polls the report until `ready` holds (panics after `limit`).
