@@ -299,6 +299,50 @@ pub struct Replayed {
     pub complete_bytes: u64,
 }
 
+/// Debugging (`--journal-fault`): the coordinator fails at one line of its journal, so a test
+/// can walk every step of the protocol with the coordinator dying, or its disk failing, there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JournalFault {
+    pub kind: JournalFaultKind,
+    /// The line's sequence number (the launch's plan is line 1).
+    pub line: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JournalFaultKind {
+    /// The process is killed (SIGKILL) just before the line is written: what the workers were
+    /// told since the line before happened, the journal does not say so.
+    CrashBefore,
+    /// The process is killed (SIGKILL) once the line is on disk, before anything it records is
+    /// acted on.
+    CrashAfter,
+    /// The line's write fails once, as on a full disk (nothing of it stays in the file).
+    Fail,
+}
+
+impl std::str::FromStr for JournalFault {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (kind, line) = s.rsplit_once(':').ok_or_else(|| format!("`{s}`: expected KIND:LINE"))?;
+        let kind = match kind {
+            "crash-before" => JournalFaultKind::CrashBefore,
+            "crash-after" => JournalFaultKind::CrashAfter,
+            "fail" => JournalFaultKind::Fail,
+            other => return Err(format!("`{s}`: unknown kind `{other}` (crash-before, crash-after, fail)")),
+        };
+        let line = line.parse().ok().filter(|&l| l >= 1).ok_or_else(|| format!("`{s}`: the line must be a number from 1"))?;
+        Ok(Self { kind, line })
+    }
+}
+
+/// Ends this process the way `kill -9` does: no destructor, no flush, no answer to anyone.
+fn die() -> ! {
+    // SAFETY: kill(2) on this process's own pid with a signal that cannot be caught.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    std::process::abort()
+}
+
 /// Where appending goes on: the file, the last sequence number and the length of the complete
 /// lines written.
 struct Appender {
@@ -310,6 +354,7 @@ struct Appender {
     /// An update's end whose write failed: written before the next event (a later update's
     /// begin over an update never ended would make the journal unreplayable).
     owed: Option<Event>,
+    fault: Option<JournalFault>,
     /// Tests: how many of the next writes fail as a full disk would.
     #[cfg(test)]
     fail_writes: u32,
@@ -323,6 +368,7 @@ impl Appender {
             len,
             broken: None,
             owed: None,
+            fault: None,
             #[cfg(test)]
             fail_writes: 0,
         }
@@ -394,6 +440,11 @@ impl Journal {
         &self.path
     }
 
+    /// Debugging: fail at one line from now on (see [`JournalFault`]).
+    pub fn inject_fault(&self, fault: JournalFault) {
+        self.file.lock().unwrap_or_else(|p| p.into_inner()).fault = Some(fault);
+    }
+
     /// Appends one event and flushes it to disk before returning.
     /// A write that fails (a full disk) is cut back off the file and uses up no sequence
     /// number, so the journal stays replayable; if even that fails, every later write is refused.
@@ -434,10 +485,22 @@ impl Journal {
             a.fail_writes -= 1;
             return Err(io(std::io::Error::from(std::io::ErrorKind::StorageFull)));
         }
+        let fault = a.fault.filter(|f| f.line == seq).map(|f| f.kind);
+        match fault {
+            Some(JournalFaultKind::CrashBefore) => die(),
+            Some(JournalFaultKind::Fail) => {
+                a.fault = None;
+                return Err(io(std::io::Error::from(std::io::ErrorKind::StorageFull)));
+            }
+            _ => {}
+        }
         match a.file.write_all(text.as_bytes()).and_then(|()| a.file.sync_data()) {
             Ok(()) => {
                 a.seq = seq;
                 a.len += text.len() as u64;
+                if fault == Some(JournalFaultKind::CrashAfter) {
+                    die();
+                }
                 Ok(())
             }
             Err(e) => {
@@ -737,6 +800,27 @@ mod tests {
             let e = Journal::open(tmp.path()).err().unwrap();
             assert!(matches!(&e, JournalError::Invalid { message, .. } if message.contains(want)), "{e}");
             assert_eq!(std::fs::read(&path).unwrap(), before, "{want}: the journal is untouched");
+        }
+    }
+
+    /// `--journal-fault fail:N` fails the write of line N once, leaving nothing of it and using
+    /// up no sequence number; the faults parse as the flag documents them.
+    #[test]
+    fn a_journal_fault_fails_its_line_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        j.inject_fault("fail:2".parse().unwrap());
+        j.record(Event::Launched(plan())).unwrap();
+        assert!(matches!(j.record(begin(1)), Err(JournalError::Io { source, .. }) if source.kind() == std::io::ErrorKind::StorageFull));
+        assert_eq!(replay(j.path()).unwrap().unwrap().lines, 1);
+        j.record(begin(1)).unwrap();
+        let r = replay(j.path()).unwrap().unwrap();
+        assert_eq!((r.lines, r.pending.map(|p| p.update)), (2, Some(1)));
+        let parsed: JournalFault = "crash-before:7".parse().unwrap();
+        assert_eq!(parsed, JournalFault { kind: JournalFaultKind::CrashBefore, line: 7 });
+        assert_eq!("crash-after:1".parse::<JournalFault>().unwrap().kind, JournalFaultKind::CrashAfter);
+        for bad in ["crash", "crash-before:0", "crash-before:x", "explode:3", "fail:-1"] {
+            assert!(bad.parse::<JournalFault>().is_err(), "{bad}");
         }
     }
 

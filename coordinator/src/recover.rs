@@ -20,7 +20,7 @@ use orchestrator_worker::probe::ProbeSpec;
 
 use crate::cluster::Cluster;
 use crate::consistency::ConsistencyReport;
-use crate::journal::{Event, Journal, Replayed, SourceRecord, Step};
+use crate::journal::{Event, Journal, JournalFault, Replayed, SourceRecord, Step};
 use crate::launch::TokenFileGuard;
 use crate::rollout::CommitStatus;
 use crate::rotation::Rotation;
@@ -254,6 +254,7 @@ async fn resolve(
 pub async fn recover(
     state_dir: &Path,
     how: Resolve,
+    fault: Option<JournalFault>,
     ready_file: Option<&Path>,
     emit_report: impl Fn(&ConsistencyReport),
 ) -> anyhow::Result<bool> {
@@ -264,6 +265,9 @@ pub async fn recover(
         "{}: the cluster it records was shut down; nothing to recover (start one with `orchestrator launch`)",
         journal.path().display()
     );
+    if let Some(f) = fault {
+        journal.inject_fault(f);
+    }
     let journal = Arc::new(journal);
     let plan = replayed.plan.clone();
     let token = Token::read(&plan.token_file)?;

@@ -56,6 +56,11 @@ pub struct PlanArgs {
     /// hung-commit, stage-skip-permute.
     #[arg(long, value_name = "RANK:KIND")]
     inject_fault: Option<String>,
+    /// Debugging (needs --state-dir): the coordinator dies just before (crash-before) or just
+    /// after (crash-after) it writes line LINE of its journal, or that write fails once as on a
+    /// full disk (fail); the plan is line 1.
+    #[arg(long, value_name = "KIND:LINE")]
+    journal_fault: Option<journal::JournalFault>,
     /// Every worker writes its kernel-visible tensors to DIR/dp{D}/rank{R}.safetensors.
     #[arg(long, value_name = "DIR")]
     dump: Option<PathBuf>,
@@ -261,7 +266,11 @@ fn resolve(
     if let Some(f) = &a.ready_file {
         crate::server::Ready::clear(f)?;
     }
+    anyhow::ensure!(a.journal_fault.is_none() || state_dir.is_some(), "--journal-fault needs --state-dir");
     let journal = state_dir.as_deref().map(journal::Journal::create).transpose()?.map(std::sync::Arc::new);
+    if let (Some(j), Some(f)) = (&journal, a.journal_fault) {
+        j.inject_fault(f);
+    }
     let TokenChoice { token, file: token_file, generated: token_generated } = token(state_dir.as_deref())?;
     Ok(launch::LaunchPlan {
         tp: a.tp,

@@ -23,6 +23,10 @@ pub struct RecoverArgs {
     /// `token_file`, `tls_dir`, `pid`), written whole; removed when it stops.
     #[arg(long, value_name = "FILE")]
     ready_file: Option<PathBuf>,
+    /// Debugging: the coordinator dies just before (crash-before) or after (crash-after) it
+    /// writes line LINE of the journal, or that write fails once (fail); as `launch`'s.
+    #[arg(long, value_name = "KIND:LINE")]
+    journal_fault: Option<crate::journal::JournalFault>,
 }
 
 /// Takes the cluster over from the journal, finishing or rolling back its update, and serves:
@@ -35,7 +39,7 @@ pub fn recover_cmd(a: RecoverArgs) -> anyhow::Result<bool> {
     let how = if a.rollback { recover::Resolve::Rollback } else { recover::Resolve::Finish };
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let json = a.json;
-    runtime.block_on(recover::recover(&dir, how, a.ready_file.as_deref(), |report| {
+    runtime.block_on(recover::recover(&dir, how, a.journal_fault, a.ready_file.as_deref(), |report| {
         if json {
             emit(&format!("{}\n", serde_json::to_string_pretty(report).unwrap_or_default()));
         } else {

@@ -1,0 +1,203 @@
+//! End to end: the coordinator dies just before and just after each line a rolling update
+//! writes to its journal (`--journal-fault crash-before:N`, `crash-after:N`: SIGKILL, at the one
+//! moment a test with a timer cannot hit), and each of those writes fails once as on a full
+//! disk (`fail:N`). After each: no TP group holds two versions; `orchestrator recover` takes
+//! the cluster over, finishing (or with `--rollback` undoing) exactly what the journal says was
+//! in flight; every rank holds the digests a fresh launch of its version holds; both replicas
+//! serve routed probes; and the next update goes through.
+//!
+//! The lines are counted from a run without a fault, so a protocol that writes more (or fewer)
+//! lines is walked whole without editing this file.
+
+use std::collections::BTreeMap;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+
+use orchestrator_e2e::{Served, assert_no_mixed_group, journal, rank_versions, run, stderr, stdout, synth_tiny};
+use serde_json::Value;
+
+/// A TP 2 x DP 2 cluster's two checkpoints and what a fresh launch of each holds.
+struct Fixture {
+    root: tempfile::TempDir,
+    a: PathBuf,
+    b: PathBuf,
+    version_a: String,
+    version_b: String,
+    /// version -> (dp, tp) -> kernel rank digest, from a fresh launch.
+    fresh: BTreeMap<String, BTreeMap<(u64, u64), String>>,
+    /// The journal lines an update from A to B writes: `first..=last`.
+    lines: std::ops::RangeInclusive<u64>,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let root = tempfile::tempdir().unwrap();
+        let (a, b) = (root.path().join("A"), root.path().join("B"));
+        synth_tiny(&a, "1");
+        synth_tiny(&b, "2");
+        let mut fresh = BTreeMap::new();
+        let mut version = |dir: &Path| {
+            let o =
+                run("orchestrator", &["launch", "--json", "--no-probe", "--tp", "2", "--dp", "2", "--checkpoint", dir.to_str().unwrap()]);
+            let report: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stderr(&o)));
+            let v = rank_versions(&report)[0].2.clone();
+            let digests = report["ranks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| ((r["dp"].as_u64().unwrap(), r["tp"].as_u64().unwrap()), r["kernel_rank_digest"].as_str().unwrap().to_string()))
+                .collect();
+            fresh.insert(v.clone(), digests);
+            v
+        };
+        let (version_a, version_b) = (version(&a), version(&b));
+        assert_ne!(version_a, version_b);
+        // The lines of an update without a fault.
+        let state = root.path().join("clean");
+        let cluster = Served::on_checkpoint("2", "2", &a, root.path(), &["--state-dir", state.to_str().unwrap()]);
+        assert_eq!(cluster.update_doc(&b)["ok"], true);
+        let seqs: Vec<u64> = journal(&state).iter().filter(|e| e["update"] == 1).map(|e| e["seq"].as_u64().unwrap()).collect();
+        drop(cluster);
+        let lines = seqs[0]..=*seqs.last().unwrap();
+        assert!(lines.clone().count() >= 8, "an update of two replicas writes a begin, four steps each and an end: {seqs:?}");
+        Self { root, a, b, version_a, version_b, fresh, lines }
+    }
+
+    /// A served cluster on A journaling to a fresh state directory, with `fault`.
+    fn launch(&self, fault: &str) -> (Served, PathBuf) {
+        let state = tempfile::Builder::new().prefix("state").tempdir_in(self.root.path()).unwrap().keep();
+        let args = ["--state-dir", state.to_str().unwrap(), "--journal-fault", fault];
+        (Served::on_checkpoint("2", "2", &self.a, self.root.path(), &args), state)
+    }
+
+    /// Every rank answers, no group mixes versions, and every rank holds the digests a fresh
+    /// launch of its version holds; every rule of the report holds but, where the replicas are
+    /// on two versions (an update that failed after a replica's commit), the one that says so.
+    /// Returns each replica's version.
+    fn assert_whole(&self, report: &Value, what: &str) -> Vec<String> {
+        assert_no_mixed_group(report);
+        let mut by_replica = vec![String::new(); 2];
+        for r in report["ranks"].as_array().unwrap() {
+            let (dp, tp) = (r["dp"].as_u64().unwrap(), r["tp"].as_u64().unwrap());
+            let version = r["checkpoint_version"].as_str().unwrap();
+            let fresh = self.fresh.get(version).unwrap_or_else(|| panic!("{what}: dp{dp}/tp{tp} holds an unknown version {version}"));
+            assert_eq!(r["kernel_rank_digest"].as_str(), Some(fresh[&(dp, tp)].as_str()), "{what}: dp{dp}/tp{tp} on {version}");
+            by_replica[dp as usize] = version.to_string();
+        }
+        let one_version = by_replica.iter().all(|v| *v == by_replica[0]);
+        for rule in report["rules"].as_array().unwrap() {
+            let allowed = !one_version && rule["id"] == "layout_identity";
+            assert!(rule["ok"] == true || allowed, "{what}: {report:#}");
+        }
+        assert!(report["ok"] == true || !one_version, "{what}: {report:#}");
+        by_replica
+    }
+
+    /// The recovered (or surviving) cluster serves: a probe load is answered by both replicas,
+    /// on the versions the report gave them, without a failure; then an update to the other
+    /// checkpoint goes through on every replica.
+    fn assert_serves_and_updates(&self, cluster: &Served, by_replica: &[String], what: &str) {
+        let probes = cluster.probe_load("20", "1").wait_with_output().unwrap();
+        let probes: Value = serde_json::from_slice(&probes.stdout).unwrap_or_else(|e| panic!("{what}: {e}: {}", stdout(&probes)));
+        assert_eq!(probes["failed"], 0, "{what}: {probes:#}");
+        for (dp, version) in by_replica.iter().enumerate() {
+            let served = &probes["by_replica"][format!("dp{dp}")]["served"];
+            assert!(served.as_u64().is_some_and(|n| n > 0), "{what}: dp{dp} served no probe: {probes:#}");
+            assert!(probes["by_version"][version]["served"].as_u64().is_some_and(|n| n > 0), "{what}: {probes:#}");
+        }
+        let target = if by_replica.iter().all(|v| *v == self.version_b) { &self.a } else { &self.b };
+        let update = cluster.update_doc(target);
+        assert_eq!(update["ok"], true, "{what}: the next update: {update:#}");
+        let after = self.assert_whole(&cluster.report(), what);
+        let expected = if *target == self.a { &self.version_a } else { &self.version_b };
+        assert!(after.iter().all(|v| v == expected), "{what}: after the next update: {after:?}");
+    }
+
+    /// The coordinator dies at `line` (before or after writing it) during an update from A to B;
+    /// `recover` (finishing, or rolling back) takes over.
+    fn crash(&self, kind: &str, line: u64, rollback: bool) {
+        let what = format!("{kind}:{line}{}", if rollback { ", recover --rollback" } else { "" });
+        let (mut cluster, state) = self.launch(&format!("{kind}:{line}"));
+        let update = cluster.cmd("update", &["--checkpoint", self.b.to_str().unwrap(), "--json"]);
+        assert!(!update.status.success(), "{what}: the update's client must see its coordinator die: {}", stdout(&update));
+        let status = cluster.child.wait().unwrap();
+        assert_eq!(status.signal(), Some(9), "{what}: the coordinator must die of the fault: {status}");
+        let events = journal(&state);
+        let written = if kind == "crash-before" { line - 1 } else { line };
+        assert_eq!(events.last().and_then(|e| e["seq"].as_u64()), Some(written), "{what}: {events:#?}");
+        let began = events.iter().any(|e| e["event"] == "update_begin");
+        let ended = events.iter().any(|e| e["event"] == "update_end");
+        drop(cluster);
+        let recovered = Served::recover(&state, if rollback { &["--rollback"] } else { &[] });
+        let report = recovered.report();
+        let by_replica = self.assert_whole(&report, &what);
+        // What the journal said was in flight is finished, or undone; an update not begun (or
+        // ended) is left as it was.
+        let expected = match (began, ended, rollback) {
+            (false, _, _) => &self.version_a,
+            (true, true, _) | (true, false, false) => &self.version_b,
+            (true, false, true) => &self.version_a,
+        };
+        assert!(by_replica.iter().all(|v| v == expected), "{what}: expected every replica on {expected}: {report:#}");
+        let events = journal(&state);
+        let recovered_at = events.iter().position(|e| e["event"] == "recovered").unwrap_or_else(|| panic!("{what}: {events:#?}"));
+        if began && !ended {
+            assert!(events[recovered_at..].iter().any(|e| e["event"] == "update_end"), "{what}: recover closes the update: {events:#?}");
+        }
+        self.assert_serves_and_updates(&recovered, &by_replica, &what);
+    }
+
+    /// The write of `line` fails once, as on a full disk: the update fails or goes on, never
+    /// leaving a group mixed; the same coordinator serves and updates on; and the journal stays
+    /// replayable (killed afterwards, it is recovered onto what the cluster held).
+    fn fail(&self, line: u64) {
+        let what = format!("fail:{line}");
+        let (mut cluster, state) = self.launch(&what);
+        let update = cluster.update_doc(&self.b);
+        let report = cluster.report();
+        let by_replica = self.assert_whole(&report, &format!("{what}, after an update that said {}", update["ok"]));
+        if update["ok"] == true {
+            assert!(by_replica.iter().all(|v| *v == self.version_b), "{what}: {update:#}\n{report:#}");
+        }
+        self.assert_serves_and_updates(&cluster, &by_replica, &what);
+        let held = self.assert_whole(&cluster.report(), &what);
+        cluster.kill_coordinator();
+        drop(cluster);
+        let recovered = Served::recover(&state, &[]);
+        let after = self.assert_whole(&recovered.report(), &format!("{what}, recovered"));
+        assert_eq!(after, held, "{what}: recover changed what the cluster held");
+        let events = journal(&state);
+        let count = |event: &str| events.iter().filter(|e| e["event"] == event).count();
+        assert_eq!(count("update_end"), count("update_begin"), "{what}: every update begun ended: {events:#?}");
+        assert!(count("update_end") >= 1, "{what}: {events:#?}");
+        self.assert_serves_and_updates(&recovered, &after, &what);
+    }
+}
+
+#[test]
+fn the_coordinator_killed_at_each_line_of_an_update_is_recovered_and_finishes_it() {
+    let f = Fixture::new();
+    for line in f.lines.clone() {
+        for kind in ["crash-before", "crash-after"] {
+            f.crash(kind, line, false);
+        }
+    }
+}
+
+#[test]
+fn the_coordinator_killed_at_each_line_of_an_update_is_recovered_and_rolls_it_back() {
+    let f = Fixture::new();
+    for line in f.lines.clone() {
+        for kind in ["crash-before", "crash-after"] {
+            f.crash(kind, line, true);
+        }
+    }
+}
+
+#[test]
+fn each_journal_write_of_an_update_failing_once_leaves_whole_groups_and_a_replayable_journal() {
+    let f = Fixture::new();
+    for line in f.lines.clone() {
+        f.fail(line);
+    }
+}
