@@ -26,7 +26,7 @@ use crate::rollout::CommitStatus;
 use crate::rotation::Rotation;
 use crate::server::Endpoint;
 use crate::session::{Session, SessionState};
-use crate::update::{Proof, UpdatePlan, drive_commit, rolling_update, try_reinstate};
+use crate::update::{Journaled, Proof, UpdatePlan, drive_commit, rolling_update, try_reinstate};
 use orchestrator_model::AllowedRoots;
 
 /// How a recovery resolves an interrupted update.
@@ -237,7 +237,7 @@ async fn resolve(
         max_unavailable: pending.max_unavailable,
         max_staging: 0,
         replicas: Some(behind.clone()),
-        journal: Some((journal, pending.update + 1, from)),
+        journal: Some(Journaled { journal, update: pending.update + 1, from }),
         roots,
         commit_timeout: commit_timeout(&replayed.plan),
         known: None,

@@ -44,8 +44,8 @@ pub struct UpdatePlan<'a> {
     pub max_staging: u32,
     /// The replicas to update (all when `None`).
     pub replicas: Option<Vec<u32>>,
-    /// Where to journal the update's steps, its number, and the source it moves from.
-    pub journal: Option<(&'a Journal, u64, SourceRecord)>,
+    /// Where to journal the update's steps, and as what.
+    pub journal: Option<Journaled<'a>>,
     /// The directories the workers may read: checked here before any replica is touched.
     pub roots: &'a AllowedRoots,
     /// How long a decided commit is driven to a rank that does not answer before it is reported
@@ -54,6 +54,15 @@ pub struct UpdatePlan<'a> {
     /// The claims this coordinator made on checkpoints it hashed ([`KnownClaims`]); `None`
     /// hashes the new checkpoint whatever it is.
     pub known: Option<Arc<KnownClaims>>,
+}
+
+/// Where an update is journaled, and as what.
+pub struct Journaled<'a> {
+    pub journal: &'a Journal,
+    /// The update's number.
+    pub update: u64,
+    /// The source it moves from.
+    pub from: SourceRecord,
 }
 
 /// What is wrong with a replica's probe.
@@ -607,16 +616,16 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
     let roll = Roll {
         cluster,
         rotation,
-        journal: journal.as_ref().map(|(j, _, _)| *j),
-        update: journal.as_ref().map_or(0, |(_, id, _)| *id),
+        journal: journal.as_ref().map(|j| j.journal),
+        update: journal.as_ref().map_or(0, |j| j.update),
         new_version: new_version.clone(),
         probe,
         commit_timeout,
     };
-    if let Some((_, _, from)) = &journal
+    if let Some(j) = &journal
         && let Err(e) = roll.record(Event::UpdateBegin {
             update: roll.update,
-            from: from.clone(),
+            from: j.from.clone(),
             to: target,
             new_version: new_version.clone(),
             max_unavailable,
