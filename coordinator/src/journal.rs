@@ -234,6 +234,11 @@ pub enum Event {
         to: SourceRecord,
         new_version: String,
         max_unavailable: u32,
+        /// A recovery's update that resolves (finishes or rolls back) the interrupted update
+        /// `resumes`: its begin also closes that one, as not applied, in the same line, so no
+        /// moment is journaled where the interrupted update has ended and nothing resolves it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resumes: Option<u64>,
     },
     UpdateStep {
         update: u64,
@@ -257,6 +262,31 @@ pub enum Event {
     },
     /// The cluster was shut down on purpose.
     Shutdown,
+}
+
+impl Event {
+    /// The update this event ends (an update's end, or a begin that resumes it).
+    fn closes_update(&self) -> Option<u64> {
+        match self {
+            Event::UpdateEnd { update, .. } => Some(*update),
+            Event::UpdateBegin { resumes, .. } => *resumes,
+            _ => None,
+        }
+    }
+
+    /// What must still be journaled when this event could not be: the end of the update it
+    /// closes (a later begin over an update never ended would make the journal unreplayable).
+    fn closes(&self) -> Option<Event> {
+        match self {
+            Event::UpdateEnd { .. } => Some(self.clone()),
+            Event::UpdateBegin { update, resumes: Some(r), .. } => Some(Event::UpdateEnd {
+                update: *r,
+                ok: false,
+                note: format!("interrupted by a coordinator restart; update {update}, which was to resolve it, could not be journaled"),
+            }),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -448,21 +478,21 @@ impl Journal {
     /// Appends one event and flushes it to disk before returning.
     /// A write that fails (a full disk) is cut back off the file and uses up no sequence
     /// number, so the journal stays replayable; if even that fails, every later write is refused.
-    /// An update's end that could not be written is owed: it is written before the next event,
-    /// which fails (unwritten) while it cannot be.
+    /// An update's end that could not be written (or a begin that was to close an interrupted
+    /// update) leaves that update's end owed: it is written before the next event, which fails
+    /// (unwritten) while it cannot be.
     pub fn record(&self, event: Event) -> Result<(), JournalError> {
         let mut a = self.file.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(owed) = a.owed.take() {
-            let superseded = matches!((&owed, &event), (Event::UpdateEnd { update: o, .. }, Event::UpdateEnd { update: e, .. }) if o == e);
+            let superseded = matches!((owed.closes_update(), event.closes_update()), (Some(o), Some(e)) if o == e);
             if !superseded && let Err(e) = self.write(&mut a, &owed) {
                 a.owed = Some(owed);
                 return Err(e);
             }
         }
-        let is_end = matches!(event, Event::UpdateEnd { .. });
         let written = self.write(&mut a, &event);
-        if written.is_err() && is_end {
-            a.owed = Some(event);
+        if written.is_err() {
+            a.owed = event.closes();
         }
         written
     }
@@ -568,9 +598,15 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                 let s = state.as_mut().ok_or_else(|| corrupt("an event before the launch record".into()))?;
                 match other {
                     Event::Launched(_) => unreachable!("handled above"),
-                    Event::UpdateBegin { update, from, to, new_version, max_unavailable } => {
-                        if let Some(p) = &s.pending {
-                            return Err(corrupt(format!("update {update} begins while update {} has not ended", p.update)));
+                    Event::UpdateBegin { update, from, to, new_version, max_unavailable, resumes } => {
+                        match (&s.pending, resumes) {
+                            (None, None) => {}
+                            // Closed here as its own end (not applied) would have closed it.
+                            (Some(p), Some(r)) if p.update == r => {}
+                            (Some(p), _) => {
+                                return Err(corrupt(format!("update {update} begins while update {} has not ended", p.update)));
+                            }
+                            (None, Some(r)) => return Err(corrupt(format!("update {update} resumes update {r}, which is not in flight"))),
                         }
                         s.last_update = s.last_update.max(update);
                         s.pending = Some(PendingUpdate { update, from, to, new_version, max_unavailable, steps: BTreeMap::new() });
@@ -666,6 +702,7 @@ mod tests {
             to: SourceRecord::Checkpoint { dir: "/ck/B".into() },
             new_version: "vb".into(),
             max_unavailable: 1,
+            resumes: None,
         }
     }
 
@@ -801,6 +838,41 @@ mod tests {
             assert!(matches!(&e, JournalError::Invalid { message, .. } if message.contains(want)), "{e}");
             assert_eq!(std::fs::read(&path).unwrap(), before, "{want}: the journal is untouched");
         }
+    }
+
+    /// A recovery's update closes the interrupted one in its begin's line (nothing in flight
+    /// between them); a begin resuming an update not in flight is refused with its line; a
+    /// resuming begin that cannot be written leaves the interrupted update's end owed.
+    #[test]
+    fn a_resuming_begin_closes_the_interrupted_update_in_one_line() {
+        let resume = |update, r| match begin(update) {
+            Event::UpdateBegin { update, from, to, new_version, max_unavailable, .. } => {
+                Event::UpdateBegin { update, from, to, new_version, max_unavailable, resumes: Some(r) }
+            }
+            _ => unreachable!(),
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        j.record(Event::Launched(plan())).unwrap();
+        j.record(begin(1)).unwrap();
+        j.record(resume(2, 1)).unwrap();
+        let r = replay(j.path()).unwrap().unwrap();
+        assert_eq!((r.lines, r.pending.map(|p| p.update), r.current_version.as_str()), (3, Some(2), "va"), "update 1 not applied");
+        // Resuming an update that is not the one in flight (or none): refused, with the line.
+        j.record(Event::UpdateEnd { update: 2, ok: true, note: "done".into() }).unwrap();
+        j.record(resume(3, 1)).unwrap();
+        let e = replay(j.path()).unwrap_err();
+        assert!(matches!(&e, JournalError::Corrupt { line: 5, message, .. } if message.contains("not in flight")), "{e}");
+        // A resuming begin that fails leaves the interrupted update's end owed.
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        j.record(Event::Launched(plan())).unwrap();
+        j.record(begin(1)).unwrap();
+        j.file.lock().unwrap().fail_writes = 1;
+        assert!(j.record(resume(2, 1)).is_err());
+        j.record(Event::Recovered { note: "next".into() }).unwrap();
+        let r = replay(j.path()).unwrap().unwrap();
+        assert_eq!((r.lines, r.pending.map(|p| p.update)), (4, None), "the owed end, then the event");
     }
 
     /// `--journal-fault fail:N` fails the write of line N once, leaving nothing of it and using

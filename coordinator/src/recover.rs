@@ -153,9 +153,12 @@ async fn resolve(
         }
         return Ok((true, replayed.current.clone(), replayed.last_update, steps));
     };
+    // Rolling back returns to what every replica served before the interrupted update (for an
+    // update a recovery began to resolve another, before that one: rolling back a rollback
+    // finishes it).
     let (target, target_version) = match how {
         Resolve::Finish => (pending.to.clone(), pending.new_version.clone()),
-        Resolve::Rollback => (pending.from.clone(), replayed.current_version.clone()),
+        Resolve::Rollback => (replayed.current.clone(), replayed.current_version.clone()),
     };
     let verb = if how == Resolve::Finish { "finishing" } else { "rolling back" };
     steps.push(format!(
@@ -225,11 +228,8 @@ async fn resolve(
     let SourceRecord::Checkpoint { dir } = &target else {
         anyhow::bail!("cannot {verb} update {}: its target is a dummy source, not a checkpoint directory", pending.update);
     };
-    journal.record(Event::UpdateEnd {
-        update: pending.update,
-        ok: false,
-        note: format!("interrupted by a coordinator restart; update {} {verb} it", pending.update + 1),
-    })?;
+    // The interrupted update is closed (not applied) by the begin of the one resolving it, in
+    // one line: a recovery killed in between would otherwise leave nothing in flight to resolve.
     let from = if how == Resolve::Finish { pending.from.clone() } else { pending.to.clone() };
     let plan = UpdatePlan {
         dir,
@@ -237,7 +237,7 @@ async fn resolve(
         max_unavailable: pending.max_unavailable,
         max_staging: 0,
         replicas: Some(behind.clone()),
-        journal: Some(Journaled { journal, update: pending.update + 1, from }),
+        journal: Some(Journaled { journal, update: pending.update + 1, from, resumes: Some(pending.update) }),
         roots,
         commit_timeout: commit_timeout(&replayed.plan),
         known: None,

@@ -146,7 +146,7 @@ async fn run_update(
         max_unavailable,
         max_staging,
         replicas: None,
-        journal: session.journal.as_deref().map(|journal| crate::update::Journaled { journal, update, from }),
+        journal: session.journal.as_deref().map(|journal| crate::update::Journaled { journal, update, from, resumes: None }),
         roots: &session.roots,
         commit_timeout: session.commit_timeout,
         known: Some(session.known_claims.clone()),

@@ -63,6 +63,8 @@ pub struct Journaled<'a> {
     pub update: u64,
     /// The source it moves from.
     pub from: SourceRecord,
+    /// The interrupted update a recovery's update resolves (closed by this one's begin).
+    pub resumes: Option<u64>,
 }
 
 /// What is wrong with a replica's probe.
@@ -626,6 +628,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
         && let Err(e) = roll.record(Event::UpdateBegin {
             update: roll.update,
             from: j.from.clone(),
+            resumes: j.resumes,
             to: target,
             new_version: new_version.clone(),
             max_unavailable,

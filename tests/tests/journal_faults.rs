@@ -27,6 +27,8 @@ struct Fixture {
     fresh: BTreeMap<String, BTreeMap<(u64, u64), String>>,
     /// The journal lines an update from A to B writes: `first..=last`.
     lines: std::ops::RangeInclusive<u64>,
+    /// The line recording dp0's commit in that update.
+    dp0_committed: u64,
 }
 
 impl Fixture {
@@ -56,11 +58,13 @@ impl Fixture {
         let state = root.path().join("clean");
         let cluster = Served::on_checkpoint("2", "2", &a, root.path(), &["--state-dir", state.to_str().unwrap()]);
         assert_eq!(cluster.update_doc(&b)["ok"], true);
-        let seqs: Vec<u64> = journal(&state).iter().filter(|e| e["update"] == 1).map(|e| e["seq"].as_u64().unwrap()).collect();
+        let events = journal(&state);
+        let seqs: Vec<u64> = events.iter().filter(|e| e["update"] == 1).map(|e| e["seq"].as_u64().unwrap()).collect();
+        let dp0_committed = events.iter().find(|e| e["dp"] == 0 && e["step"] == "committed").unwrap()["seq"].as_u64().unwrap();
         drop(cluster);
         let lines = seqs[0]..=*seqs.last().unwrap();
         assert!(lines.clone().count() >= 8, "an update of two replicas writes a begin, four steps each and an end: {seqs:?}");
-        Self { root, a, b, version_a, version_b, fresh, lines }
+        Self { root, a, b, version_a, version_b, fresh, lines, dp0_committed }
     }
 
     /// A served cluster on A journaling to a fresh state directory, with `fault`.
@@ -147,6 +151,52 @@ impl Fixture {
         self.assert_serves_and_updates(&recovered, &by_replica, &what);
     }
 
+    /// The coordinator dies just before it journals dp0's commit (every rank of dp0 has swapped
+    /// to B, dp1 has not); returns the state directory.
+    fn crash_before_dp0_committed(&self) -> PathBuf {
+        let fault = format!("crash-before:{}", self.dp0_committed);
+        let (mut cluster, state) = self.launch(&fault);
+        let update = cluster.cmd("update", &["--checkpoint", self.b.to_str().unwrap()]);
+        assert!(!update.status.success(), "{fault}: {}", stdout(&update));
+        assert_eq!(cluster.child.wait().unwrap().signal(), Some(9), "{fault}");
+        state
+    }
+
+    /// `recover` itself dies at `line` (`kind`) while it resolves an update interrupted after
+    /// dp0 swapped (it finishes dp0's decided commit, then updates dp1, or rolls dp0 back); a
+    /// second `recover` in the same mode takes over from what the first one journaled.
+    fn crash_in_recovery(&self, kind: &str, line: u64, rollback: bool) {
+        let what = format!("recover{} --journal-fault {kind}:{line}", if rollback { " --rollback" } else { "" });
+        let state = self.crash_before_dp0_committed();
+        let mut args = vec!["recover", "--state-dir", state.to_str().unwrap(), "--journal-fault"];
+        let fault = format!("{kind}:{line}");
+        args.push(&fault);
+        if rollback {
+            args.push("--rollback");
+        }
+        let status = run_to_exit(&args, &what);
+        assert_eq!(status.signal(), Some(9), "{what}: recover must die of the fault: {status}");
+        let recovered = Served::recover(&state, if rollback { &["--rollback"] } else { &[] });
+        let report = recovered.report();
+        let by_replica = self.assert_whole(&report, &what);
+        let expected = if rollback { &self.version_a } else { &self.version_b };
+        assert!(by_replica.iter().all(|v| v == expected), "{what}: expected every replica on {expected}: {report:#}");
+        assert_every_update_closed(&journal(&state), &what);
+        self.assert_serves_and_updates(&recovered, &by_replica, &what);
+    }
+
+    /// The lines a `recover` (in `rollback` mode or not) of [`Self::crash_before_dp0_committed`]
+    /// writes, from a run without a fault.
+    fn recovery_lines(&self, rollback: bool) -> std::ops::RangeInclusive<u64> {
+        let state = self.crash_before_dp0_committed();
+        let first = journal(&state).last().unwrap()["seq"].as_u64().unwrap() + 1;
+        let recovered = Served::recover(&state, if rollback { &["--rollback"] } else { &[] });
+        drop(recovered);
+        let last = journal(&state).iter().rev().find(|e| e["event"] == "update_end").unwrap()["seq"].as_u64().unwrap();
+        assert!(last > first, "{:#?}", journal(&state));
+        first..=last
+    }
+
     /// The write of `line` fails once, as on a full disk: the update fails or goes on, never
     /// leaving a group mixed; the same coordinator serves and updates on; and the journal stays
     /// replayable (killed afterwards, it is recovered onto what the cluster held).
@@ -167,10 +217,39 @@ impl Fixture {
         let after = self.assert_whole(&recovered.report(), &format!("{what}, recovered"));
         assert_eq!(after, held, "{what}: recover changed what the cluster held");
         let events = journal(&state);
-        let count = |event: &str| events.iter().filter(|e| e["event"] == event).count();
-        assert_eq!(count("update_end"), count("update_begin"), "{what}: every update begun ended: {events:#?}");
-        assert!(count("update_end") >= 1, "{what}: {events:#?}");
+        assert_every_update_closed(&events, &what);
+        assert!(events.iter().any(|e| e["event"] == "update_end"), "{what}: {events:#?}");
         self.assert_serves_and_updates(&recovered, &after, &what);
+    }
+}
+
+/// Every update the journal begins is closed: by its end, or by the begin of a recovery's
+/// update that resolves it (`resumes`).
+fn assert_every_update_closed(events: &[Value], what: &str) {
+    let count = |f: &dyn Fn(&Value) -> bool| events.iter().filter(|e| f(e)).count();
+    let begins = count(&|e| e["event"] == "update_begin");
+    let closed = count(&|e| e["event"] == "update_end" || (e["event"] == "update_begin" && !e["resumes"].is_null()));
+    assert_eq!(begins, closed, "{what}: every update begun is closed: {events:#?}");
+}
+
+/// Runs `orchestrator ARGS` until it exits (at most a minute).
+fn run_to_exit(args: &[&str], what: &str) -> std::process::ExitStatus {
+    let mut child = std::process::Command::new(orchestrator_e2e::bin("orchestrator"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("{what}: still running after a minute");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
 
@@ -199,5 +278,17 @@ fn each_journal_write_of_an_update_failing_once_leaves_whole_groups_and_a_replay
     let f = Fixture::new();
     for line in f.lines.clone() {
         f.fail(line);
+    }
+}
+
+#[test]
+fn a_recovery_killed_at_each_of_its_lines_is_recovered_again() {
+    let f = Fixture::new();
+    for rollback in [false, true] {
+        for line in f.recovery_lines(rollback) {
+            for kind in ["crash-before", "crash-after"] {
+                f.crash_in_recovery(kind, line, rollback);
+            }
+        }
     }
 }
