@@ -281,7 +281,7 @@ pub async fn recover(
     let config = match open_source(&replayed.current) {
         Ok(s) => s.config().clone(),
         Err(e) => match &replayed.pending {
-            Some(p) => open_source(&p.to).with_context(|| format!("{e:#}"))?.config().clone(),
+            Some(p) => open_source(&p.to).with_context(|| orchestrator_ops::output::error_text(&e))?.config().clone(),
             None => return Err(e),
         },
     };

@@ -22,8 +22,46 @@ pub fn exit_code(result: anyhow::Result<bool>) -> std::process::ExitCode {
         Ok(true) => std::process::ExitCode::SUCCESS,
         Ok(false) => std::process::ExitCode::from(1),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_text(&e));
             std::process::ExitCode::from(2)
         }
+    }
+}
+
+/// An error and its causes on one line, each cause once: a cause that the message before it
+/// already ends with (an error that shows its source in its own message, as many of ours do,
+/// and also exposes it as its source) is not repeated, as `{:#}` would.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let cause = cause.to_string();
+        if text.ends_with(&cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("state directory /s: {source}")]
+    struct Shown {
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn a_cause_is_printed_once() {
+        let e = anyhow::Error::new(Shown { source: std::io::Error::from(std::io::ErrorKind::StorageFull) }).context("recover");
+        assert_eq!(format!("{e:#}"), "recover: state directory /s: no storage space: no storage space");
+        assert_eq!(error_text(&e), "recover: state directory /s: no storage space");
+        let e = anyhow::anyhow!("inner").context("middle").context("outer");
+        assert_eq!(error_text(&e), "outer: middle: inner");
     }
 }

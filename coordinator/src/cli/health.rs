@@ -44,7 +44,7 @@ pub fn health_cmd(a: HealthArgs) -> anyhow::Result<bool> {
             if serving || start.elapsed() >= wait {
                 let what = match &answer {
                     Ok(s) => s.as_str_name().to_string(),
-                    Err(e) => format!("UNREACHABLE ({e:#})"),
+                    Err(e) => format!("UNREACHABLE ({})", orchestrator_ops::output::error_text(e)),
                 };
                 emit(&format!("{what}\n"));
                 return Ok(serving);
