@@ -51,21 +51,21 @@ pub struct Served {
     _ready: tempfile::TempDir,
 }
 
-/// Waits for `child` to write its `--ready-file` at `path` and reads it; panics with `why()` when
-/// the child exits first, or after `limit`.
+/// Waits for `child` to write its `--ready-file` at `path` and reads it, or for the child to
+/// exit first (its status); panics with `why()` after `limit`.
 fn await_ready_file(
     path: &std::path::Path,
     child: &mut Child,
     limit: Option<std::time::Duration>,
     why: impl FnOnce() -> String,
-) -> serde_json::Value {
+) -> Result<serde_json::Value, std::process::ExitStatus> {
     let start = std::time::Instant::now();
     loop {
         if let Ok(text) = std::fs::read_to_string(path) {
-            return serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}: {text}", path.display()));
+            return Ok(serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}: {text}", path.display())));
         }
         if let Some(status) = child.try_wait().unwrap() {
-            panic!("({status}) {}", why());
+            return Err(status);
         }
         if limit.is_some_and(|l| start.elapsed() > l) {
             panic!("(after {:?}) {}", start.elapsed(), why());
@@ -116,9 +116,22 @@ impl Served {
         Self::announced(&full)
     }
 
+    /// [`Served::recover`], or how it exited before it served (its status and stderr).
+    pub fn try_recover(state_dir: &std::path::Path, args: &[&str]) -> Result<Self, (std::process::ExitStatus, String)> {
+        let mut full = vec!["recover", "--state-dir", state_dir.to_str().unwrap()];
+        full.extend_from_slice(args);
+        Self::try_announced(&full)
+    }
+
     /// Runs `orchestrator ARGS --ready-file FILE` until it writes the file, which says how to
-    /// call the served cluster (its stderr is kept, for the panic of one that never serves).
+    /// call the served cluster (panics with its stderr if it exits first).
     fn announced(args: &[&str]) -> Self {
+        Self::try_announced(args)
+            .unwrap_or_else(|(status, said)| panic!("({status}) `orchestrator {}` did not come up:\n{said}", args.join(" ")))
+    }
+
+    /// [`Served::announced`], or how the process exited before it served.
+    fn try_announced(args: &[&str]) -> Result<Self, (std::process::ExitStatus, String)> {
         let dir = tempfile::tempdir().unwrap();
         let ready_file = dir.path().join("ready.json");
         let mut child = Command::new(bin("orchestrator"))
@@ -139,12 +152,17 @@ impl Served {
                 }
             }
         });
-        let ready = await_ready_file(&ready_file, &mut child, None, || {
-            format!("`orchestrator {}` did not come up:\n{}", args.join(" "), said.lock().unwrap().join("\n"))
-        });
+        let ready = match await_ready_file(&ready_file, &mut child, None, String::new) {
+            Ok(ready) => ready,
+            Err(status) => {
+                // Its stderr to the end (the reader thread sees it close).
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                return Err((status, said.lock().unwrap().join("\n")));
+            }
+        };
         let field = |name: &str| ready[name].as_str().unwrap_or_else(|| panic!("the ready file has no {name}: {ready}")).to_string();
         let tls = ready["tls_dir"].as_str().map(|d| vec!["--tls-dir".to_string(), d.to_string()]).unwrap_or_default();
-        Self { child, coordinator: field("coordinator"), token: field("token_file"), tls, _ready: dir }
+        Ok(Self { child, coordinator: field("coordinator"), token: field("token_file"), tls, _ready: dir })
     }
 
     /// Kills the coordinator process outright (its workers stay up).
@@ -378,10 +396,12 @@ impl Standalone {
     /// process (panics with its stderr after `limit`, or when it exits first). The ready file.
     pub fn wait_serving(&mut self, limit: std::time::Duration) -> serde_json::Value {
         let (lines, seen) = (&self.lines, &mut self.seen);
-        let ready = await_ready_file(&self.ready.1, &mut self.child, Some(limit), || {
+        let mut why = || {
             seen.extend(lines.try_iter());
             format!("the coordinator did not come to serve:\n{}", seen.join("\n"))
-        });
+        };
+        let ready =
+            await_ready_file(&self.ready.1, &mut self.child, Some(limit), &mut why).unwrap_or_else(|status| panic!("({status}) {}", why()));
         assert_eq!(ready["pid"], self.child.id(), "{ready}");
         assert_eq!(ready["coordinator"], self.url.as_str(), "{ready}");
         ready

@@ -162,25 +162,48 @@ impl Fixture {
         state
     }
 
-    /// `recover` itself dies at `line` (`kind`) while it resolves an update interrupted after
-    /// dp0 swapped (it finishes dp0's decided commit, then updates dp1, or rolls dp0 back); a
-    /// second `recover` in the same mode takes over from what the first one journaled.
+    /// `recover` itself dies at `line` (`kind`), or that write fails once, while it resolves an
+    /// update interrupted after dp0 swapped (it finishes dp0's decided commit, then updates dp1,
+    /// or rolls dp0 back); a second `recover` in the same mode takes over from what the first one
+    /// journaled (a first one that served is killed first).
     fn crash_in_recovery(&self, kind: &str, line: u64, rollback: bool) {
         let what = format!("recover{} --journal-fault {kind}:{line}", if rollback { " --rollback" } else { "" });
         let state = self.crash_before_dp0_committed();
-        let mut args = vec!["recover", "--state-dir", state.to_str().unwrap(), "--journal-fault"];
         let fault = format!("{kind}:{line}");
-        args.push(&fault);
+        let mut args = vec!["--journal-fault", fault.as_str()];
         if rollback {
             args.push("--rollback");
         }
-        let status = run_to_exit(&args, &what);
-        assert_eq!(status.signal(), Some(9), "{what}: recover must die of the fault: {status}");
+        // What the second recovery must leave: every replica on the version the mode resolves
+        // to while the journal holds an update in flight; what a first one that served held
+        // once its own resolution failed and ended, as a failed update does.
+        let held = match Served::try_recover(&state, &args) {
+            Err((status, said)) if kind == "fail" => {
+                assert!(status.code().is_some_and(|c| c != 0), "{what}: {status}\n{said}");
+                assert!(said.contains("no storage space"), "{what}: {said}");
+                None
+            }
+            Err((status, said)) => {
+                assert_eq!(status.signal(), Some(9), "{what}: recover must die of the fault: {status}\n{said}");
+                None
+            }
+            Ok(mut served) => {
+                // Only a failed write lets a recovery serve; what it serves is whole.
+                assert_eq!(kind, "fail", "{what}: recover served");
+                let held = self.assert_whole(&served.report(), &what);
+                served.kill_coordinator();
+                Some(held)
+            }
+        };
+        let in_flight = update_in_flight(&journal(&state));
         let recovered = Served::recover(&state, if rollback { &["--rollback"] } else { &[] });
         let report = recovered.report();
         let by_replica = self.assert_whole(&report, &what);
         let expected = if rollback { &self.version_a } else { &self.version_b };
-        assert!(by_replica.iter().all(|v| v == expected), "{what}: expected every replica on {expected}: {report:#}");
+        match held.filter(|_| !in_flight) {
+            Some(held) => assert_eq!(by_replica, held, "{what}: the second recovery changed what the first one served"),
+            None => assert!(by_replica.iter().all(|v| v == expected), "{what}: expected every replica on {expected}: {report:#}"),
+        }
         assert_every_update_closed(&journal(&state), &what);
         self.assert_serves_and_updates(&recovered, &by_replica, &what);
     }
@@ -226,31 +249,15 @@ impl Fixture {
 /// Every update the journal begins is closed: by its end, or by the begin of a recovery's
 /// update that resolves it (`resumes`).
 fn assert_every_update_closed(events: &[Value], what: &str) {
+    assert!(!update_in_flight(events), "{what}: every update begun is closed: {events:#?}");
+}
+
+/// Whether the journal holds an update begun and not closed.
+fn update_in_flight(events: &[Value]) -> bool {
     let count = |f: &dyn Fn(&Value) -> bool| events.iter().filter(|e| f(e)).count();
     let begins = count(&|e| e["event"] == "update_begin");
     let closed = count(&|e| e["event"] == "update_end" || (e["event"] == "update_begin" && !e["resumes"].is_null()));
-    assert_eq!(begins, closed, "{what}: every update begun is closed: {events:#?}");
-}
-
-/// Runs `orchestrator ARGS` until it exits (at most a minute).
-fn run_to_exit(args: &[&str], what: &str) -> std::process::ExitStatus {
-    let mut child = std::process::Command::new(orchestrator_e2e::bin("orchestrator"))
-        .args(args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let start = std::time::Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if start.elapsed() > std::time::Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("{what}: still running after a minute");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    begins > closed
 }
 
 #[test]
@@ -282,11 +289,11 @@ fn each_journal_write_of_an_update_failing_once_leaves_whole_groups_and_a_replay
 }
 
 #[test]
-fn a_recovery_killed_at_each_of_its_lines_is_recovered_again() {
+fn a_recovery_killed_or_failing_to_write_at_each_of_its_lines_is_recovered_again() {
     let f = Fixture::new();
     for rollback in [false, true] {
         for line in f.recovery_lines(rollback) {
-            for kind in ["crash-before", "crash-after"] {
+            for kind in ["crash-before", "crash-after", "fail"] {
                 f.crash_in_recovery(kind, line, rollback);
             }
         }
