@@ -183,11 +183,13 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
                 plan.dp,
                 &endpoint.url,
                 endpoint.registry.clone(),
-                plan.token.clone(),
-                &plan.token_file,
-                &plan.allow_roots,
+                crate::cluster::WorkerAccess {
+                    token: plan.token.clone(),
+                    token_file: &plan.token_file,
+                    allow_roots: &plan.allow_roots,
+                    tls: plan.tls.clone(),
+                },
                 grace,
-                plan.tls.clone(),
             )?;
             (cluster, Duration::from_secs(30))
         }

@@ -98,28 +98,35 @@ pub type Failures = Vec<(u32, RankError)>;
 /// Each rank's answer (or why it has none), by worker id.
 pub type RankResults<T> = BTreeMap<u32, Result<T, RankError>>;
 
+/// How the workers a launch starts authenticate and what they may read.
+pub struct WorkerAccess<'a> {
+    pub token: Token,
+    /// The file holding `token`, which each worker reads.
+    pub token_file: &'a Path,
+    /// Checkpoints are read only under these.
+    pub allow_roots: &'a [PathBuf],
+    pub tls: Option<TlsFiles>,
+}
+
 impl Cluster {
     /// Starts `tp * dp` worker processes on `device` that register with `coordinator`,
-    /// authenticate with the token in `token_file`, read checkpoints only under `allow_roots`,
-    /// and keep serving for `grace` while the coordinator is unreachable. GPU workers get
+    /// with `access` (token, checkpoint roots, TLS), and keep serving for `grace`
+    /// while the coordinator is unreachable. GPU workers get
     /// `ORCHESTRATOR_DEVICE=cuda` and one GPU each through `CUDA_VISIBLE_DEVICES` (worker `i`
     /// gets GPU `i mod gpus`, `gpus` from the launcher's own `CUDA_VISIBLE_DEVICES` list, or
     /// `ORCHESTRATOR_GPUS`, or the GPUs it sees). Each worker's thread pool gets an equal share
     /// of this host's cores among a replica's ranks ([`threads_per_worker`]) unless
     /// `RAYON_NUM_THREADS` is set.
-    #[allow(clippy::too_many_arguments)]
     pub fn spawn(
         device: WorkerDevice,
         tp: u32,
         dp: u32,
         coordinator: &str,
         registry: Arc<Registry>,
-        token: Token,
-        token_file: &Path,
-        allow_roots: &[PathBuf],
+        access: WorkerAccess<'_>,
         grace: Duration,
-        tls: Option<TlsFiles>,
     ) -> anyhow::Result<Self> {
+        let WorkerAccess { token, token_file, allow_roots, tls } = access;
         let (bin, leading) = worker_command()?;
         let gpus = gpu_list()?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
