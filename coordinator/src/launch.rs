@@ -187,6 +187,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
                     token: plan.token.clone(),
                     token_file: &plan.token_file,
                     allow_roots: &plan.allow_roots,
+                    dump_root: plan.dump_dir.as_deref(),
                     tls: plan.tls.clone(),
                 },
                 grace,

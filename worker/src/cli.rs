@@ -37,6 +37,11 @@ pub struct ServeArgs {
     /// A directory this worker may read checkpoints from (repeatable; none: no checkpoint is read).
     #[arg(long, value_name = "DIR")]
     pub allow_root: Vec<std::path::PathBuf>,
+    /// A directory under which this worker may write the dumps an assignment asks for
+    /// (`launch --dump DIR` starts its workers with DIR); without it, such an assignment is
+    /// refused (a token holder cannot make workers write anywhere else).
+    #[arg(long, value_name = "DIR")]
+    pub dump_root: Option<std::path::PathBuf>,
     /// Seconds to keep serving while the coordinator is unreachable (a coordinator restarted
     /// from its state directory finds the worker again meanwhile).
     #[arg(long, default_value_t = 3.0, value_name = "SECS")]
@@ -94,6 +99,11 @@ impl ServeArgs {
             },
             token: self.token_file.as_deref().map(orchestrator_net::auth::Token::read).transpose()?,
             roots: orchestrator_model::AllowedRoots::new(&self.allow_root)?,
+            dump_root: self
+                .dump_root
+                .as_deref()
+                .map(|d| d.canonicalize().map_err(|e| anyhow::anyhow!("--dump-root {}: {e}", d.display())))
+                .transpose()?,
             coordinator_grace: secs(self.coordinator_grace, "--coordinator-grace")?,
             health_listen: self.health_listen,
             metrics_listen: self.metrics_listen,

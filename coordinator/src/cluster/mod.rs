@@ -98,19 +98,21 @@ pub type Failures = Vec<(u32, RankError)>;
 /// Each rank's answer (or why it has none), by worker id.
 pub type RankResults<T> = BTreeMap<u32, Result<T, RankError>>;
 
-/// How the workers a launch starts authenticate and what they may read.
+/// How the workers a launch starts authenticate, what they may read and where they may write.
 pub struct WorkerAccess<'a> {
     pub token: Token,
     /// The file holding `token`, which each worker reads.
     pub token_file: &'a Path,
     /// Checkpoints are read only under these.
     pub allow_roots: &'a [PathBuf],
+    /// Dumps are written only under this (`launch --dump`).
+    pub dump_root: Option<&'a Path>,
     pub tls: Option<TlsFiles>,
 }
 
 impl Cluster {
     /// Starts `tp * dp` worker processes on `device` that register with `coordinator`,
-    /// with `access` (token, checkpoint roots, TLS), and keep serving for `grace`
+    /// with `access` (token, checkpoint roots, dump root, TLS), and keep serving for `grace`
     /// while the coordinator is unreachable. GPU workers get
     /// `ORCHESTRATOR_DEVICE=cuda` and one GPU each through `CUDA_VISIBLE_DEVICES` (worker `i`
     /// gets GPU `i mod gpus`, `gpus` from the launcher's own `CUDA_VISIBLE_DEVICES` list, or
@@ -126,7 +128,7 @@ impl Cluster {
         access: WorkerAccess<'_>,
         grace: Duration,
     ) -> anyhow::Result<Self> {
-        let WorkerAccess { token, token_file, allow_roots, tls } = access;
+        let WorkerAccess { token, token_file, allow_roots, dump_root, tls } = access;
         let (bin, leading) = worker_command()?;
         let gpus = gpu_list()?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -146,6 +148,7 @@ impl Cluster {
                 .arg("--token-file")
                 .arg(token_file)
                 .args(allow_roots.iter().flat_map(|r| [std::ffi::OsStr::new("--allow-root"), r.as_os_str()]))
+                .args(dump_root.iter().flat_map(|d| [std::ffi::OsStr::new("--dump-root"), d.as_os_str()]))
                 .args(["--coordinator-grace", &grace.as_secs_f64().to_string()])
                 .args(tls.iter().flat_map(|t| [std::ffi::OsStr::new("--tls-dir"), t.dir.as_os_str()]))
                 .env(orchestrator_ops::logging::LOG_FORMAT_ENV, orchestrator_ops::logging::current().name())

@@ -6,7 +6,7 @@
 //! | the request does not fit what the rank holds (nothing assigned, loaded, staged, kept or computed; another version or geometry) | `FAILED_PRECONDITION` |
 //! | the weights it needs are still read by a probe or report; the collective failed | `UNAVAILABLE` (ask again) |
 //! | a later stage, abort or load overtook it | `ABORTED` |
-//! | the request itself is wrong (its source, scale rule, shard, probe size, peer address) | `INVALID_ARGUMENT` (a source outside the allowed roots: `PERMISSION_DENIED`) |
+//! | the request itself is wrong (its source, scale rule, shard, probe size, peer address) | `INVALID_ARGUMENT` (a source outside the allowed roots, a dump directory outside the dump root: `PERMISSION_DENIED`) |
 //! | loading, staging, probing, dumping or binding failed on this rank | `INTERNAL` |
 
 use orchestrator_model::limits::LimitError;
@@ -65,6 +65,9 @@ pub enum RankError {
 
     #[error(transparent)]
     Source(Box<SourceError>),
+    /// An assignment's dump directory that this worker may not write to.
+    #[error("assign: dump_dir `{dir}`: {why}")]
+    DumpDir { dir: String, why: String },
     /// The assigned checkpoint, opened again for a reload, is no longer readable here.
     #[error("{0}")]
     Reopen(Box<ModelError>),
@@ -154,7 +157,7 @@ impl From<RankError> for Status {
             | NotVerified { .. } => Status::failed_precondition(message),
             StagedInUse | KeptInUse | Ring { .. } | AllReduce(_) => Status::unavailable(message),
             Superseded | Replaced => Status::aborted(message),
-            Reopen(_) => Status::permission_denied(message),
+            Reopen(_) | DumpDir { .. } => Status::permission_denied(message),
             ScaleRule(_)
             | TooLong(_)
             | Shard(_)

@@ -44,6 +44,9 @@ pub struct Rank {
     /// The host name its reports give.
     host: String,
     pub(crate) roots: AllowedRoots,
+    /// The directory (canonical) under which an assignment's dumps may be written; none: no
+    /// assignment may ask for dumps.
+    dump_root: Option<std::path::PathBuf>,
     /// The device this rank loads and probes on (the CPU unless started on a GPU).
     pub(crate) backend: Arc<AnyBackend>,
     /// The IP the TP-ring listener binds and the host it is advertised as.
@@ -73,6 +76,7 @@ impl Rank {
             state: Arc::new(Mutex::new(State::default())),
             host,
             roots,
+            dump_root: None,
             backend: Arc::new(backend),
             ring_ip: std::net::Ipv4Addr::LOCALHOST.into(),
             advertise: "127.0.0.1".into(),
@@ -86,6 +90,28 @@ impl Rank {
         self.ring_ip = ip;
         self.advertise = host;
         self
+    }
+
+    /// Lets assignments ask for dumps under `root` (a canonical path: `--dump-root`).
+    pub fn with_dump_root(mut self, root: Option<std::path::PathBuf>) -> Self {
+        self.dump_root = root;
+        self
+    }
+
+    /// Where an assignment's dumps go: `dir/dp{D}`, where `dir` (which must exist) resolves,
+    /// symlinks and all, under this rank's dump root. A rank without one writes no dumps.
+    fn dump_dir_for(&self, dir: &str, dp_rank: u32) -> Result<Option<std::path::PathBuf>, RankError> {
+        if dir.is_empty() {
+            return Ok(None);
+        }
+        let refuse = |why: String| RankError::DumpDir { dir: dir.to_string(), why };
+        let root =
+            self.dump_root.as_ref().ok_or_else(|| refuse("this worker was started without --dump-root: it writes no dumps".into()))?;
+        let resolved = std::path::Path::new(dir).canonicalize().map_err(|e| refuse(e.to_string()))?;
+        if !resolved.starts_with(root) {
+            return Err(refuse(format!("resolves to {}, outside --dump-root {}", resolved.display(), root.display())));
+        }
+        Ok(Some(resolved.join(format!("dp{dp_rank}"))))
     }
 
     /// The device's name (`cpu`, or the GPU's).
@@ -114,6 +140,7 @@ impl Rank {
         if r.dp_size == 0 || r.dp_size as usize > max || r.dp_rank >= r.dp_size {
             return Err(RankError::DpRank { dp_rank: r.dp_rank, dp_size: r.dp_size, max });
         }
+        let dump_dir = self.dump_dir_for(&r.dump_dir, r.dp_rank)?;
         let (tp, rank) = (r.tp_size as usize, r.tp_rank as usize);
         orchestrator_model::RankShard::new(&source.config().geometry, tp, rank).map_err(|e| RankError::Shard(Box::new(e)))?;
         let listener = RingListener::bind(SocketAddr::new(self.ring_ip, 0)).map_err(|why| RankError::Listener { ip: self.ring_ip, why })?;
@@ -126,7 +153,7 @@ impl Rank {
             source: Arc::new(source),
             rule,
             fault: r.fault(),
-            dump_dir: (!r.dump_dir.is_empty()).then(|| std::path::PathBuf::from(&r.dump_dir).join(format!("dp{}", r.dp_rank))),
+            dump_dir,
             keep_staging_buffers: r.keep_staging_buffers,
         };
         Ok(Assignment { plan, listener, address })

@@ -46,6 +46,8 @@ pub struct ServeConfig {
     pub token: Option<Token>,
     /// Only checkpoint directories under these are read.
     pub roots: AllowedRoots,
+    /// Dumps an assignment asks for are written under this directory (canonical) only.
+    pub dump_root: Option<std::path::PathBuf>,
     /// How long the worker keeps serving while its coordinator is unreachable (a restarted
     /// coordinator finds it again within this time); then it stops.
     pub coordinator_grace: Duration,
@@ -108,6 +110,7 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
         join_timeout,
         token,
         roots,
+        dump_root,
         coordinator_grace,
         tls,
         health_listen,
@@ -129,7 +132,9 @@ pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("--metrics-listen {m}: {e}"))?;
         tracing::info!(%at, "metrics listening at /metrics");
     }
-    let rank = Rank::new(roots, AnyBackend::from_env()?, placement.host.clone()).with_ring_address(address.ip(), advertise.clone());
+    let rank = Rank::new(roots, AnyBackend::from_env()?, placement.host.clone())
+        .with_ring_address(address.ip(), advertise.clone())
+        .with_dump_root(dump_root);
     let service = WorkerService::serving(shutdown.clone(), rank).with_health(health);
     let device = service.device();
     let worker_id = placement.rank;

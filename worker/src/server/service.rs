@@ -422,6 +422,49 @@ mod tests {
         assert_eq!(svc.rank.versions(), before, "the rank holds what it held");
     }
 
+    /// An assignment's dump directory must resolve, symlinks and all, under the worker's
+    /// `--dump-root` (the worker writes `DIR/dp{D}` there); a worker without one writes no
+    /// dumps. Refusals are PERMISSION_DENIED and name the directory.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dumps_go_under_the_dump_root_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, src) = loaded_worker(tmp.path()).await;
+        let (dumps, elsewhere) = (tmp.path().join("dumps"), tmp.path().join("elsewhere"));
+        std::fs::create_dir_all(dumps.join("run")).unwrap();
+        std::fs::create_dir(&elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, dumps.join("link")).unwrap();
+        let assign = |dir: &std::path::Path| {
+            Request::new(pb::AssignRequest {
+                tp_size: 1,
+                dp_size: 2,
+                dp_rank: 1,
+                source: Some(src("A")),
+                scale_rule: "rceil".into(),
+                dump_dir: dir.display().to_string(),
+                ..Default::default()
+            })
+        };
+        let refused = |e: Status, why: &str| {
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+            assert!(e.message().starts_with("assign: dump_dir `") && e.message().contains(why), "{}", e.message());
+        };
+        refused(svc.assign(assign(&dumps.join("run"))).await.unwrap_err(), "started without --dump-root");
+        let rank = Rank::new(
+            AllowedRoots::new(&[tmp.path().to_path_buf()]).unwrap(),
+            AnyBackend::Cpu(orchestrator_kernels::CpuBackend),
+            "h".into(),
+        )
+        .with_dump_root(Some(dumps.canonicalize().unwrap()));
+        let svc = WorkerService::serving(Arc::new(Notify::new()), rank);
+        refused(svc.assign(assign(&elsewhere)).await.unwrap_err(), "outside --dump-root");
+        refused(svc.assign(assign(&dumps.join("link"))).await.unwrap_err(), "outside --dump-root");
+        refused(svc.assign(assign(&dumps.join("run/../../elsewhere"))).await.unwrap_err(), "outside --dump-root");
+        refused(svc.assign(assign(&dumps.join("missing"))).await.unwrap_err(), "No such file");
+        svc.assign(assign(&dumps.join("run"))).await.unwrap();
+        let planned = lock(&svc.rank.state).plan.as_ref().unwrap().dump_dir.clone();
+        assert_eq!(planned, Some(dumps.canonicalize().unwrap().join("run/dp1")));
+    }
+
     /// A stage takes its epoch as its request arrives: an abort that comes while its source is
     /// still being opened (hashed) supersedes it, and it never lands (before, it took its epoch
     /// only once the source was open, and landed over whatever came after it). Without the
