@@ -29,10 +29,18 @@ struct Fixture {
     lines: std::ops::RangeInclusive<u64>,
     /// The line recording dp0's commit in that update.
     dp0_committed: u64,
+    /// More arguments for every launch, and for every update.
+    launch_args: &'static [&'static str],
+    update_args: &'static [&'static str],
 }
 
 impl Fixture {
     fn new() -> Self {
+        Self::with(&[], &[])
+    }
+
+    /// A fixture whose launches and updates take these arguments too.
+    fn with(launch_args: &'static [&'static str], update_args: &'static [&'static str]) -> Self {
         let root = tempfile::tempdir().unwrap();
         let (a, b) = (root.path().join("A"), root.path().join("B"));
         synth_tiny(&a, "1");
@@ -56,21 +64,25 @@ impl Fixture {
         assert_ne!(version_a, version_b);
         // The lines of an update without a fault.
         let state = root.path().join("clean");
-        let cluster = Served::on_checkpoint("2", "2", &a, root.path(), &["--state-dir", state.to_str().unwrap()]);
-        assert_eq!(cluster.update_doc(&b)["ok"], true);
+        let mut args = vec!["--state-dir", state.to_str().unwrap()];
+        args.extend_from_slice(launch_args);
+        let cluster = Served::on_checkpoint("2", "2", &a, root.path(), &args);
+        let update = update_doc(&cluster, &b, update_args);
+        assert_eq!(update["ok"], true, "{update:#}");
         let events = journal(&state);
         let seqs: Vec<u64> = events.iter().filter(|e| e["update"] == 1).map(|e| e["seq"].as_u64().unwrap()).collect();
         let dp0_committed = events.iter().find(|e| e["dp"] == 0 && e["step"] == "committed").unwrap()["seq"].as_u64().unwrap();
         drop(cluster);
         let lines = seqs[0]..=*seqs.last().unwrap();
         assert!(lines.clone().count() >= 8, "an update of two replicas writes a begin, four steps each and an end: {seqs:?}");
-        Self { root, a, b, version_a, version_b, fresh, lines, dp0_committed }
+        Self { root, a, b, version_a, version_b, fresh, lines, dp0_committed, launch_args, update_args }
     }
 
     /// A served cluster on A journaling to a fresh state directory, with `fault`.
     fn launch(&self, fault: &str) -> (Served, PathBuf) {
         let state = tempfile::Builder::new().prefix("state").tempdir_in(self.root.path()).unwrap().keep();
-        let args = ["--state-dir", state.to_str().unwrap(), "--journal-fault", fault];
+        let mut args = vec!["--state-dir", state.to_str().unwrap(), "--journal-fault", fault];
+        args.extend_from_slice(self.launch_args);
         (Served::on_checkpoint("2", "2", &self.a, self.root.path(), &args), state)
     }
 
@@ -110,7 +122,7 @@ impl Fixture {
             assert!(probes["by_version"][version]["served"].as_u64().is_some_and(|n| n > 0), "{what}: {probes:#}");
         }
         let target = if by_replica.iter().all(|v| *v == self.version_b) { &self.a } else { &self.b };
-        let update = cluster.update_doc(target);
+        let update = update_doc(cluster, target, self.update_args);
         assert_eq!(update["ok"], true, "{what}: the next update: {update:#}");
         let after = self.assert_whole(&cluster.report(), what);
         let expected = if *target == self.a { &self.version_a } else { &self.version_b };
@@ -122,7 +134,9 @@ impl Fixture {
     fn crash(&self, kind: &str, line: u64, rollback: bool) {
         let what = format!("{kind}:{line}{}", if rollback { ", recover --rollback" } else { "" });
         let (mut cluster, state) = self.launch(&format!("{kind}:{line}"));
-        let update = cluster.cmd("update", &["--checkpoint", self.b.to_str().unwrap(), "--json"]);
+        let mut args = vec!["--checkpoint", self.b.to_str().unwrap(), "--json"];
+        args.extend_from_slice(self.update_args);
+        let update = cluster.cmd("update", &args);
         assert!(!update.status.success(), "{what}: the update's client must see its coordinator die: {}", stdout(&update));
         let status = cluster.child.wait().unwrap();
         assert_eq!(status.signal(), Some(9), "{what}: the coordinator must die of the fault: {status}");
@@ -156,7 +170,9 @@ impl Fixture {
     fn crash_before_dp0_committed(&self) -> PathBuf {
         let fault = format!("crash-before:{}", self.dp0_committed);
         let (mut cluster, state) = self.launch(&fault);
-        let update = cluster.cmd("update", &["--checkpoint", self.b.to_str().unwrap()]);
+        let mut args = vec!["--checkpoint", self.b.to_str().unwrap()];
+        args.extend_from_slice(self.update_args);
+        let update = cluster.cmd("update", &args);
         assert!(!update.status.success(), "{fault}: {}", stdout(&update));
         assert_eq!(cluster.child.wait().unwrap().signal(), Some(9), "{fault}");
         state
@@ -226,7 +242,7 @@ impl Fixture {
     fn fail(&self, line: u64) {
         let what = format!("fail:{line}");
         let (mut cluster, state) = self.launch(&what);
-        let update = cluster.update_doc(&self.b);
+        let update = update_doc(&cluster, &self.b, self.update_args);
         let report = cluster.report();
         let by_replica = self.assert_whole(&report, &format!("{what}, after an update that said {}", update["ok"]));
         if update["ok"] == true {
@@ -244,6 +260,14 @@ impl Fixture {
         assert!(events.iter().any(|e| e["event"] == "update_end"), "{what}: {events:#?}");
         self.assert_serves_and_updates(&recovered, &after, &what);
     }
+}
+
+/// `orchestrator update --checkpoint DIR --json ARGS`: its document, whatever its outcome.
+fn update_doc(cluster: &Served, checkpoint: &Path, args: &[&str]) -> Value {
+    let mut full = vec!["--checkpoint", checkpoint.to_str().unwrap(), "--json"];
+    full.extend_from_slice(args);
+    let o = cluster.cmd("update", &full);
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(&o), stderr(&o)))
 }
 
 /// Every update the journal begins is closed: by its end, or by the begin of a recovery's
@@ -296,6 +320,19 @@ fn a_recovery_killed_or_failing_to_write_at_each_of_its_lines_is_recovered_again
             for kind in ["crash-before", "crash-after", "fail"] {
                 f.crash_in_recovery(kind, line, rollback);
             }
+        }
+    }
+}
+
+/// The same walk with each rank keeping the buffers an update leaves (stages reload into them,
+/// a rollback swaps back to them) and both replicas updated in one batch (their steps
+/// interleave): killed before and after each line, then recovered (finishing the update).
+#[test]
+fn the_coordinator_killed_at_each_line_of_a_one_batch_update_with_kept_buffers_is_recovered() {
+    let f = Fixture::with(&["--keep-staging-buffers"], &["--max-unavailable", "2"]);
+    for line in f.lines.clone() {
+        for kind in ["crash-before", "crash-after"] {
+            f.crash(kind, line, false);
         }
     }
 }
