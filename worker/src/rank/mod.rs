@@ -22,7 +22,7 @@ use orchestrator_proto::v1 as pb;
 use tokio::sync::mpsc;
 
 pub use error::RankError;
-use probing::{Computed, adopt_round_trip, answer_of, compute_probe, keep_verified, peers_to_join, reduce_and_answer};
+use probing::{Computed, adopt_round_trip, answer_of, compute_probe, keep_verified, peers_to_join, reduce};
 use state::{InPlace, Plan, StageOptions, Staged, State, keep_or_drop, lock, prepare_spare, snapshot, still_holds, unshared, versions_of};
 
 use crate::collective::RingListener;
@@ -41,6 +41,8 @@ pub type Progress = mpsc::Receiver<Result<pb::LoadProgress, RankError>>;
 /// A rank of a served worker: its state behind one lock, and what its loads and probes use.
 pub struct Rank {
     pub(crate) state: Arc<Mutex<State>>,
+    /// Its collectives, locked apart from its state (see [`state::Collectives`]).
+    pub(crate) collectives: Arc<Mutex<state::Collectives>>,
     /// The host name its reports give.
     host: String,
     pub(crate) roots: AllowedRoots,
@@ -74,6 +76,7 @@ impl Rank {
     pub fn new(roots: AllowedRoots, backend: AnyBackend, host: String) -> Self {
         Self {
             state: Arc::new(Mutex::new(State::default())),
+            collectives: Default::default(),
             host,
             roots,
             dump_root: None,
@@ -168,9 +171,11 @@ impl Rank {
         } else {
             Vec::new()
         };
+        let mut co = lock(&self.collectives);
         let mut st = lock(&self.state);
         let stage_epoch = st.stage_epoch + 1;
-        *st = State { plan: Some(a.plan), listener: Some(a.listener), stage_epoch, ..State::default() };
+        *co = state::Collectives { tp_rank: a.plan.tp_rank, tp_size: a.plan.tp_size, listener: Some(a.listener), ..Default::default() };
+        *st = State { plan: Some(a.plan), stage_epoch, ..State::default() };
         Ok(pb::AssignResponse { collective_address: a.address, nccl_unique_id })
     }
 
@@ -593,7 +598,7 @@ impl Rank {
             return Err(RankError::KeptNotWhole);
         }
         // A probe that reduces over the ring names one peer per rank and a bounded deadline (the
-        // rank's state is held while it joins the ring and reduces).
+        // rank's collectives are held while it joins the ring and reduces).
         let limit = orchestrator_proto::limits::MAX_RING_TIMEOUT;
         if u128::from(r.timeout_ms) > limit.as_millis() {
             return Err(RankError::RingTimeout { ms: r.timeout_ms, limit_ms: limit.as_millis() });
@@ -623,19 +628,24 @@ impl Rank {
                     spec.check_on(&weights.identity.geometry, weights.layers.len(), plan.tp_size)
                         .map_err(|error| RankError::ProbeSize { context: "probe", error })?;
                     let c = compute_probe(backend, &plan, &weights, &source, spec, check, &self.reference_cache)?;
-                    let peers = if phase == pb::ProbePhase::Whole { peers_to_join(&self.state, r)? } else { None };
-                    let mut st = lock(&self.state);
-                    let holds = still_holds(&st, r.shadow, &weights);
                     if phase == pb::ProbePhase::Whole {
-                        if !holds {
+                        // The group's other ranks reduce with this one whatever happened to its
+                        // weights meanwhile (one that left the ring would hold them up to the
+                        // deadline); only the answer says whether they were replaced.
+                        let peers = peers_to_join(&self.collectives, r)?;
+                        let (y_digest, seconds) = reduce(&mut lock(&self.collectives), backend, r, &c, peers)?;
+                        let mut st = lock(&self.state);
+                        if !still_holds(&st, r.shadow, &weights) {
                             return Err(RankError::Replaced);
                         }
-                        let answer = reduce_and_answer(&mut st, backend, r, &c, peers)?;
+                        let answer = answer_of(&st, &c, y_digest, seconds);
                         if r.shadow {
                             keep_verified(&mut st, Arc::downgrade(&weights), spec, check, c, &answer);
                         }
                         return Ok(answer);
                     }
+                    let mut st = lock(&self.state);
+                    let holds = still_holds(&st, r.shadow, &weights);
                     let answer = answer_of(&st, &c, String::new(), 0.0);
                     // Kept only while it is of what the rank has staged.
                     if holds {
@@ -644,12 +654,16 @@ impl Rank {
                     Ok(answer)
                 }
                 pb::ProbePhase::Reduce => {
-                    let peers = peers_to_join(&self.state, r)?;
-                    let mut st = lock(&self.state);
-                    let staged = st.shadow.as_ref().map(|s| Arc::as_ptr(&s.weights));
-                    let kept = st.computed.take().filter(|k| k.spec == spec && k.check == check && staged == Some(k.weights.as_ptr()));
+                    let kept = {
+                        let mut st = lock(&self.state);
+                        let staged = st.shadow.as_ref().map(|s| Arc::as_ptr(&s.weights));
+                        st.computed.take().filter(|k| k.spec == spec && k.check == check && staged == Some(k.weights.as_ptr()))
+                    };
                     let kept = kept.ok_or(RankError::NothingComputed)?;
-                    let answer = reduce_and_answer(&mut st, backend, r, &kept.probe, peers)?;
+                    let peers = peers_to_join(&self.collectives, r)?;
+                    let (y_digest, seconds) = reduce(&mut lock(&self.collectives), backend, r, &kept.probe, peers)?;
+                    let mut st = lock(&self.state);
+                    let answer = answer_of(&st, &kept.probe, y_digest, seconds);
                     keep_verified(&mut st, kept.weights, spec, check, kept.probe, &answer);
                     Ok(answer)
                 }

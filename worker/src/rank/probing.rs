@@ -10,7 +10,7 @@ use orchestrator_kernels::Digest;
 use orchestrator_proto::v1 as pb;
 
 use super::RankError;
-use super::state::{Plan, State, versions_of};
+use super::state::{Collectives, Plan, State, versions_of};
 use crate::collective::{Collective, LocalCollective};
 use crate::device::AnyBackend;
 use crate::loader::{RankLoader, RankWeights};
@@ -105,17 +105,14 @@ pub(crate) fn answer_of(st: &State, c: &ComputedProbe, y_digest: String, allredu
     }
 }
 
-/// The TP all-reduce of a probe's `y_partial` (in rank order) over the group's ring, or NCCL,
-/// and the answer.
 /// The peers of the ring a reduce for `r` joins, resolved (a name may wait on DNS) without the
-/// state held: `None` where it joins none (a GPU group, TP 1) or the rank is already in that
-/// ring. Held only to look.
-pub(crate) fn peers_to_join(state: &std::sync::Mutex<State>, r: &pb::ProbeRequest) -> Result<Option<Vec<SocketAddr>>, RankError> {
+/// collectives held: `None` where it joins none (a GPU group, TP 1) or the rank is already in
+/// that ring. Held only to look.
+pub(crate) fn peers_to_join(collectives: &Mutex<Collectives>, r: &pb::ProbeRequest) -> Result<Option<Vec<SocketAddr>>, RankError> {
     {
-        let st = super::state::lock(state);
-        let tp_size = st.plan.as_ref().map_or(1, |p| p.tp_size);
-        let joined = st.ring.as_ref().is_some_and(|(g, e, _)| (*g, *e) == (r.group, r.ring_epoch));
-        if !r.nccl_unique_id.is_empty() || tp_size <= 1 || joined {
+        let co = super::state::lock(collectives);
+        let joined = co.ring.as_ref().is_some_and(|(g, e, _)| (*g, *e) == (r.group, r.ring_epoch));
+        if !r.nccl_unique_id.is_empty() || co.tp_size <= 1 || joined {
             return Ok(None);
         }
     }
@@ -127,50 +124,55 @@ fn resolve_peers(peers: &[String]) -> Result<Vec<SocketAddr>, RankError> {
     peers.iter().map(|a| resolve_peer(a)).collect()
 }
 
+/// The TP all-reduce of a probe's `y_partial` (in rank order) over the group's ring, or NCCL:
+/// the reduced `y`'s digest and the seconds the reduce took. Only the rank's collectives are
+/// held (its state is not: see [`Collectives`]).
 /// `peers`: the ring's, resolved beforehand ([`peers_to_join`]); resolved here where the rank
 /// must join a ring it was not given them for (another probe's ring went away meanwhile).
-pub(crate) fn reduce_and_answer(
-    st: &mut State,
+pub(crate) fn reduce(
+    co: &mut Collectives,
     backend: &AnyBackend,
     r: &pb::ProbeRequest,
     c: &ComputedProbe,
     peers: Option<Vec<SocketAddr>>,
-) -> Result<pb::ProbeResult, RankError> {
-    let plan = st.plan.as_ref().ok_or(RankError::NotAssigned)?;
-    let (tp_rank, tp_size) = (plan.tp_rank, plan.tp_size);
+) -> Result<(String, f64), RankError> {
+    let (tp_rank, tp_size) = (co.tp_rank, co.tp_size);
+    if co.listener.is_none() {
+        return Err(RankError::NotAssigned);
+    }
     let started = Instant::now();
     let mut y = c.probe.y_partial.clone();
     let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms as u64 });
     if !r.nccl_unique_id.is_empty() {
         // GPU workers: NCCL, with the id the group's rank 0 created (world size 1 included).
         backend
-            .nccl_all_reduce(&mut st.device_collectives, r.group, &r.nccl_unique_id, tp_rank, tp_size, timeout, &mut y)
+            .nccl_all_reduce(&mut co.device, r.group, &r.nccl_unique_id, tp_rank, tp_size, timeout, &mut y)
             .map_err(RankError::AllReduce)?;
     } else if tp_size > 1 {
-        if st.ring.as_ref().is_none_or(|(g, e, _)| (*g, *e) != (r.group, r.ring_epoch)) {
+        if co.ring.as_ref().is_none_or(|(g, e, _)| (*g, *e) != (r.group, r.ring_epoch)) {
             // A new group or epoch (after a failure): drop the old ring, join the new one.
-            st.ring = None;
+            co.ring = None;
             let peers: Vec<SocketAddr> = match peers {
                 Some(p) => p,
                 None => resolve_peers(&r.peers)?,
             };
-            let listener = st.listener.as_ref().ok_or(RankError::NoListener)?;
+            let listener = co.listener.as_ref().ok_or(RankError::NoListener)?;
             let ring = listener
                 .connect_epoch(r.group, r.ring_epoch, tp_rank, &peers, timeout)
                 .map_err(|why| RankError::Ring { epoch: r.ring_epoch, why })?;
-            st.ring = Some((r.group, r.ring_epoch, ring));
+            co.ring = Some((r.group, r.ring_epoch, ring));
         }
-        let (_, _, ring) = st.ring.as_mut().expect("ring set above");
+        let (_, _, ring) = co.ring.as_mut().expect("ring set above");
         if let Err(e) = ring.all_reduce_sum(&mut y) {
             // A failed ring is never reused: the next probe joins a ring again, whatever epoch it
             // names.
-            st.ring = None;
+            co.ring = None;
             return Err(RankError::AllReduce(e));
         }
     } else {
         LocalCollective.all_reduce_sum(&mut y).map_err(RankError::LocalReduce)?;
     }
-    Ok(answer_of(st, c, Digest::of_f32(&y).hex(), started.elapsed().as_secs_f64()))
+    Ok((Digest::of_f32(&y).hex(), started.elapsed().as_secs_f64()))
 }
 
 /// Keeps the reduced verification probe `c` (answered with `answer`) of the staged weights

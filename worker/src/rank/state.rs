@@ -1,6 +1,7 @@
 //! What a rank holds, behind the service's lock: its plan, its active weights (shared with the
 //! probes and reports that read them), a staged version, the version a commit replaced, spare
-//! buffers for the next stage, the stage epoch, its collectives and the verdicts it keeps.
+//! buffers for the next stage, the stage epoch and the verdicts it keeps; and, behind a lock of
+//! their own, its collectives.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -39,6 +40,23 @@ pub(crate) struct Plan {
     pub(crate) keep_staging_buffers: bool,
 }
 
+/// A rank's collectives: its place in its TP group, its ring listener, the group's ring and its
+/// NCCL communicator. Behind a lock of their own: a ring join or all-reduce waits on the group's
+/// other ranks (up to the probe's deadline) without holding the rank's [`State`], so its
+/// reports, stages, commits and aborts go on meanwhile. Lock order: collectives, then state.
+#[derive(Default)]
+pub(crate) struct Collectives {
+    pub(crate) tp_rank: usize,
+    pub(crate) tp_size: usize,
+    /// The collective listener, bound at Assign and kept for the rank's life: every ring epoch
+    /// of its TP group is joined from it.
+    pub(crate) listener: Option<RingListener>,
+    /// The ring of the group, its id and epoch (a probe for another epoch replaces it).
+    pub(crate) ring: Option<(u64, u32, TcpRing)>,
+    /// The NCCL communicator of a GPU worker's TP group.
+    pub(crate) device: DeviceCollectives,
+}
+
 /// Weights that probes and reports may read while the rank goes on.
 pub(crate) type SharedWeights = Arc<RankWeights<AnyBackend>>;
 
@@ -63,13 +81,6 @@ pub(crate) struct State {
     /// Abort came meanwhile (a stage abandoned by a coordinator that died can never land after
     /// its successor aborted or restaged).
     pub(crate) stage_epoch: u64,
-    /// The collective listener, bound at Assign and kept for the rank's life: every ring epoch
-    /// of its TP group is joined from it.
-    pub(crate) listener: Option<RingListener>,
-    /// The ring of the group, its id and epoch (a probe for another epoch replaces it).
-    pub(crate) ring: Option<(u64, u32, TcpRing)>,
-    /// The NCCL communicator of a GPU worker's TP group.
-    pub(crate) device_collectives: DeviceCollectives,
     /// How long the active weights took to load (or, after a commit, to stage), and the same
     /// for the kept version.
     pub(crate) load_seconds: f64,
@@ -121,8 +132,9 @@ pub(crate) struct StageOptions {
     pub(crate) epoch: Option<u64>,
 }
 
-pub(crate) fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-    state.lock().unwrap_or_else(|p| p.into_inner())
+/// Locks a rank's state (or its collectives), whatever a panicking holder left.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Takes a set of weights out of the state (`take`) and keeps it as the next stage's buffers when

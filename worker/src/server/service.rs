@@ -189,6 +189,11 @@ mod tests {
         }
     }
 
+    /// `f`, which must not wait for a probe held up meanwhile (it panics after 30 s).
+    async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(std::time::Duration::from_secs(30), f).await.unwrap_or_else(|_| panic!("{what} waited for the probe"))
+    }
+
     async fn round_trip_ok(svc: &WorkerService, kept_round_trip: bool) -> bool {
         let req = Request::new(pb::ReportRequest { kept_round_trip, ..Default::default() });
         svc.report(req).await.unwrap().into_inner().round_trip_ok
@@ -623,9 +628,6 @@ mod tests {
             waited += 1;
         }
         let before = active().generation;
-        async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
-            tokio::time::timeout(Duration::from_secs(30), f).await.unwrap_or_else(|_| panic!("{what} waited for the probe"))
-        }
         assert!(within("a report", round_trip_ok(&svc, false)).await);
         within("a release", svc.release(Request::new(pb::ReleaseRequest {}))).await.unwrap();
         let reload = svc.reload(Request::new(pb::ReloadRequest { source: Some(src("B")) }));
@@ -636,6 +638,61 @@ mod tests {
         assert_eq!(probing.await.unwrap().unwrap_err().code(), tonic::Code::Aborted, "the weights it read were replaced");
         let fresh = probe(&svc, pb::ProbePhase::Whole, false, 0).await.unwrap();
         assert!(fresh.ok && fresh.generation == before + 1);
+    }
+
+    /// A probe waiting on its ring (the group's other rank has not joined yet) holds the rank's
+    /// collectives, not its state: a report with its round trip, a stage, an abort and a release
+    /// of the rank all answer meanwhile (before, each waited for the ring, up to the probe's
+    /// deadline). Once the other rank joins, both answer the same reduced `y`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rank_waiting_on_its_ring_answers_everything_else() {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = ModelConfig::from_preset(orchestrator_model::Preset::Tiny, Some(1), false).unwrap();
+        for (name, seed) in [("A", 1), ("B", 2)] {
+            let opts = SynthOptions { config: config.clone(), seed, max_shard_bytes: 1 << 30, preset_name: None };
+            write_checkpoint(&tmp.path().join(name), &opts).unwrap();
+        }
+        let src =
+            |name: &str| pb::LoadSource { kind: Some(Kind::CheckpointDir(tmp.path().join(name).display().to_string())), content: None };
+        let mut ranks = Vec::new();
+        for tp_rank in 0..2 {
+            let svc = WorkerService::new(Arc::new(Notify::new()), AllowedRoots::new(&[tmp.path().to_path_buf()]).unwrap());
+            let assign = pb::AssignRequest {
+                tp_size: 2,
+                tp_rank,
+                dp_size: 1,
+                source: Some(src("A")),
+                scale_rule: "rceil".into(),
+                ..Default::default()
+            };
+            let address = svc.assign(Request::new(assign)).await.unwrap().into_inner().collective_address;
+            drain(svc.load(Request::new(pb::LoadRequest {})).await).await;
+            ranks.push((svc, address));
+        }
+        let peers = ranks.iter().map(|(_, a)| a.clone()).collect();
+        let req = pb::ProbeRequest { tokens: 2, latents: 16, peers, group: 7, ring_epoch: 1, timeout_ms: 60_000, ..Default::default() };
+        let (rank0, rank1) = (ranks[0].0.clone(), ranks[1].0.clone());
+        let first = tokio::spawn({
+            let (rank0, req) = (rank0.clone(), req.clone());
+            async move { rank0.probe(Request::new(req)).await }
+        });
+        let mut waited = 0;
+        while rank0.rank.collectives.try_lock().is_ok() {
+            assert!(waited < 10_000, "the probe never went to join its ring");
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            waited += 1;
+        }
+        assert!(within("a report", round_trip_ok(&rank0, false)).await);
+        let stage = rank0.stage(Request::new(pb::StageRequest { source: Some(src("B")), reference: None, defer_round_trip: false }));
+        within("a stage", async { drain(stage.await).await }).await;
+        within("an abort", rank0.abort(Request::new(pb::AbortRequest { rollback: false, expected_version: String::new() }))).await.unwrap();
+        within("a release", rank0.release(Request::new(pb::ReleaseRequest {}))).await.unwrap();
+        assert!(!first.is_finished(), "the probe still waits for its ring");
+        let second = rank1.probe(Request::new(req)).await.unwrap().into_inner();
+        let first = first.await.unwrap().unwrap().into_inner();
+        assert!(first.ok && second.ok, "{first:?}\n{second:?}");
+        assert!(!first.y_digest.is_empty());
+        assert_eq!(first.y_digest, second.y_digest);
     }
 
     /// A rollback swaps the kept version back only when nothing reads it any more.
