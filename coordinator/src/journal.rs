@@ -384,6 +384,7 @@ struct Appender {
     /// An update's end whose write failed: written before the next event (a later update's
     /// begin over an update never ended would make the journal unreplayable).
     owed: Option<Event>,
+    /// Debugging: the line to fail at (`--journal-fault`).
     fault: Option<JournalFault>,
     /// Tests: how many of the next writes fail as a full disk would.
     #[cfg(test)]

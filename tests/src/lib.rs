@@ -193,7 +193,14 @@ impl Served {
 
     /// `orchestrator update --checkpoint DIR --json`: its document, whatever its outcome.
     pub fn update_doc(&self, checkpoint: &std::path::Path) -> serde_json::Value {
-        let o = self.cmd("update", &["--checkpoint", checkpoint.to_str().unwrap(), "--json"]);
+        self.update_doc_with(checkpoint, &[])
+    }
+
+    /// [`Served::update_doc`] with more arguments.
+    pub fn update_doc_with(&self, checkpoint: &std::path::Path, args: &[&str]) -> serde_json::Value {
+        let mut full = vec!["--checkpoint", checkpoint.to_str().unwrap(), "--json"];
+        full.extend_from_slice(args);
+        let o = self.cmd("update", &full);
         serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(&o), stderr(&o)))
     }
 

@@ -67,7 +67,7 @@ impl Fixture {
         let mut args = vec!["--state-dir", state.to_str().unwrap()];
         args.extend_from_slice(launch_args);
         let cluster = Served::on_checkpoint("2", "2", &a, root.path(), &args);
-        let update = update_doc(&cluster, &b, update_args);
+        let update = cluster.update_doc_with(&b, update_args);
         assert_eq!(update["ok"], true, "{update:#}");
         let events = journal(&state);
         let seqs: Vec<u64> = events.iter().filter(|e| e["update"] == 1).map(|e| e["seq"].as_u64().unwrap()).collect();
@@ -113,7 +113,7 @@ impl Fixture {
     /// on the versions the report gave them, without a failure; then an update to the other
     /// checkpoint goes through on every replica.
     fn assert_serves_and_updates(&self, cluster: &Served, by_replica: &[String], what: &str) {
-        let probes = cluster.probe_load("20", "1").wait_with_output().unwrap();
+        let probes = cluster.probe_load("40", "0.4").wait_with_output().unwrap();
         let probes: Value = serde_json::from_slice(&probes.stdout).unwrap_or_else(|e| panic!("{what}: {e}: {}", stdout(&probes)));
         assert_eq!(probes["failed"], 0, "{what}: {probes:#}");
         for (dp, version) in by_replica.iter().enumerate() {
@@ -122,7 +122,7 @@ impl Fixture {
             assert!(probes["by_version"][version]["served"].as_u64().is_some_and(|n| n > 0), "{what}: {probes:#}");
         }
         let target = if by_replica.iter().all(|v| *v == self.version_b) { &self.a } else { &self.b };
-        let update = update_doc(cluster, target, self.update_args);
+        let update = cluster.update_doc_with(target, self.update_args);
         assert_eq!(update["ok"], true, "{what}: the next update: {update:#}");
         let after = self.assert_whole(&cluster.report(), what);
         let expected = if *target == self.a { &self.version_a } else { &self.version_b };
@@ -133,19 +133,12 @@ impl Fixture {
     /// `recover` (finishing, or rolling back) takes over.
     fn crash(&self, kind: &str, line: u64, rollback: bool) {
         let what = format!("{kind}:{line}{}", if rollback { ", recover --rollback" } else { "" });
-        let (mut cluster, state) = self.launch(&format!("{kind}:{line}"));
-        let mut args = vec!["--checkpoint", self.b.to_str().unwrap(), "--json"];
-        args.extend_from_slice(self.update_args);
-        let update = cluster.cmd("update", &args);
-        assert!(!update.status.success(), "{what}: the update's client must see its coordinator die: {}", stdout(&update));
-        let status = cluster.child.wait().unwrap();
-        assert_eq!(status.signal(), Some(9), "{what}: the coordinator must die of the fault: {status}");
+        let state = self.update_killed_by(&format!("{kind}:{line}"));
         let events = journal(&state);
         let written = if kind == "crash-before" { line - 1 } else { line };
         assert_eq!(events.last().and_then(|e| e["seq"].as_u64()), Some(written), "{what}: {events:#?}");
         let began = events.iter().any(|e| e["event"] == "update_begin");
         let ended = events.iter().any(|e| e["event"] == "update_end");
-        drop(cluster);
         let recovered = Served::recover(&state, if rollback { &["--rollback"] } else { &[] });
         let report = recovered.report();
         let by_replica = self.assert_whole(&report, &what);
@@ -165,17 +158,33 @@ impl Fixture {
         self.assert_serves_and_updates(&recovered, &by_replica, &what);
     }
 
-    /// The coordinator dies just before it journals dp0's commit (every rank of dp0 has swapped
-    /// to B, dp1 has not); returns the state directory.
-    fn crash_before_dp0_committed(&self) -> PathBuf {
-        let fault = format!("crash-before:{}", self.dp0_committed);
-        let (mut cluster, state) = self.launch(&fault);
+    /// [`Self::crash`] before and after every line of the update.
+    fn crash_at_every_line(&self, rollback: bool) {
+        for line in self.lines.clone() {
+            for kind in ["crash-before", "crash-after"] {
+                self.crash(kind, line, rollback);
+            }
+        }
+    }
+
+    /// A cluster launched with the crash `fault` runs an update from A to B, and its
+    /// coordinator dies of the fault (the update's client sees it die); returns the state
+    /// directory.
+    fn update_killed_by(&self, fault: &str) -> PathBuf {
+        let (mut cluster, state) = self.launch(fault);
         let mut args = vec!["--checkpoint", self.b.to_str().unwrap()];
         args.extend_from_slice(self.update_args);
         let update = cluster.cmd("update", &args);
-        assert!(!update.status.success(), "{fault}: {}", stdout(&update));
-        assert_eq!(cluster.child.wait().unwrap().signal(), Some(9), "{fault}");
+        assert!(!update.status.success(), "{fault}: the update's client must see its coordinator die: {}", stdout(&update));
+        let status = cluster.child.wait().unwrap();
+        assert_eq!(status.signal(), Some(9), "{fault}: the coordinator must die of the fault: {status}");
         state
+    }
+
+    /// The coordinator dies just before it journals dp0's commit (every rank of dp0 has swapped
+    /// to B, dp1 has not); returns the state directory.
+    fn crash_before_dp0_committed(&self) -> PathBuf {
+        self.update_killed_by(&format!("crash-before:{}", self.dp0_committed))
     }
 
     /// `recover` itself dies at `line` (`kind`), or that write fails once, while it resolves an
@@ -242,7 +251,7 @@ impl Fixture {
     fn fail(&self, line: u64) {
         let what = format!("fail:{line}");
         let (mut cluster, state) = self.launch(&what);
-        let update = update_doc(&cluster, &self.b, self.update_args);
+        let update = cluster.update_doc_with(&self.b, self.update_args);
         let report = cluster.report();
         let by_replica = self.assert_whole(&report, &format!("{what}, after an update that said {}", update["ok"]));
         if update["ok"] == true {
@@ -262,14 +271,6 @@ impl Fixture {
     }
 }
 
-/// `orchestrator update --checkpoint DIR --json ARGS`: its document, whatever its outcome.
-fn update_doc(cluster: &Served, checkpoint: &Path, args: &[&str]) -> Value {
-    let mut full = vec!["--checkpoint", checkpoint.to_str().unwrap(), "--json"];
-    full.extend_from_slice(args);
-    let o = cluster.cmd("update", &full);
-    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(&o), stderr(&o)))
-}
-
 /// Every update the journal begins is closed: by its end, or by the begin of a recovery's
 /// update that resolves it (`resumes`).
 fn assert_every_update_closed(events: &[Value], what: &str) {
@@ -286,22 +287,12 @@ fn update_in_flight(events: &[Value]) -> bool {
 
 #[test]
 fn the_coordinator_killed_at_each_line_of_an_update_is_recovered_and_finishes_it() {
-    let f = Fixture::new();
-    for line in f.lines.clone() {
-        for kind in ["crash-before", "crash-after"] {
-            f.crash(kind, line, false);
-        }
-    }
+    Fixture::new().crash_at_every_line(false);
 }
 
 #[test]
 fn the_coordinator_killed_at_each_line_of_an_update_is_recovered_and_rolls_it_back() {
-    let f = Fixture::new();
-    for line in f.lines.clone() {
-        for kind in ["crash-before", "crash-after"] {
-            f.crash(kind, line, true);
-        }
-    }
+    Fixture::new().crash_at_every_line(true);
 }
 
 #[test]
@@ -329,10 +320,5 @@ fn a_recovery_killed_or_failing_to_write_at_each_of_its_lines_is_recovered_again
 /// interleave): killed before and after each line, then recovered (finishing the update).
 #[test]
 fn the_coordinator_killed_at_each_line_of_a_one_batch_update_with_kept_buffers_is_recovered() {
-    let f = Fixture::with(&["--keep-staging-buffers"], &["--max-unavailable", "2"]);
-    for line in f.lines.clone() {
-        for kind in ["crash-before", "crash-after"] {
-            f.crash(kind, line, false);
-        }
-    }
+    Fixture::with(&["--keep-staging-buffers"], &["--max-unavailable", "2"]).crash_at_every_line(false);
 }
