@@ -386,6 +386,8 @@ struct Appender {
     owed: Option<Event>,
     /// Debugging: the line to fail at (`--journal-fault`).
     fault: Option<JournalFault>,
+    /// The update begun and not ended in the file (as replay would find it).
+    open: Option<u64>,
     /// Tests: how many of the next writes fail as a full disk would.
     #[cfg(test)]
     fail_writes: u32,
@@ -400,6 +402,7 @@ impl Appender {
             broken: None,
             owed: None,
             fault: None,
+            open: None,
             #[cfg(test)]
             fail_writes: 0,
         }
@@ -463,12 +466,18 @@ impl Journal {
             // Drop the torn tail so the next line starts clean.
             file.set_len(replayed.complete_bytes).map_err(io)?;
         }
-        let appender = Appender::new(file, replayed.lines, replayed.complete_bytes);
+        let mut appender = Appender::new(file, replayed.lines, replayed.complete_bytes);
+        appender.open = replayed.pending.as_ref().map(|p| p.update);
         Ok((Self { path, file: Mutex::new(appender), _lock: lock }, replayed))
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The update the journal holds begun and not ended (what a recovery would resolve).
+    pub fn open_update(&self) -> Option<u64> {
+        self.file.lock().unwrap_or_else(|p| p.into_inner()).open
     }
 
     /// Debugging: fail at one line from now on (see [`JournalFault`]).
@@ -490,6 +499,17 @@ impl Journal {
                 a.owed = Some(owed);
                 return Err(e);
             }
+        }
+        // A begin over an update still open is refused unwritten: replay would refuse the journal
+        // from that line on (and with it every `recover`).
+        if let Event::UpdateBegin { update, resumes, .. } = &event
+            && let Some(open) = a.open
+            && *resumes != Some(open)
+        {
+            return Err(JournalError::Invalid {
+                file: self.path.clone(),
+                message: format!("update {update} cannot begin: update {open} has not ended"),
+            });
         }
         let written = self.write(&mut a, &event);
         if written.is_err() {
@@ -529,6 +549,11 @@ impl Journal {
             Ok(()) => {
                 a.seq = seq;
                 a.len += text.len() as u64;
+                match event {
+                    Event::UpdateBegin { update, .. } => a.open = Some(*update),
+                    Event::UpdateEnd { update, .. } if a.open == Some(*update) => a.open = None,
+                    _ => {}
+                }
                 if fault == Some(JournalFaultKind::CrashAfter) {
                     die();
                 }
@@ -603,7 +628,7 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                         match (&s.pending, resumes) {
                             (None, None) => {}
                             // Closed here as its own end (not applied) would have closed it.
-                            (Some(p), Some(r)) if p.update == r => {}
+                            (Some(p), Some(r)) if p.update == r && update > r => {}
                             (Some(p), _) => {
                                 return Err(corrupt(format!("update {update} begins while update {} has not ended", p.update)));
                             }
@@ -874,6 +899,28 @@ mod tests {
         j.record(Event::Recovered { note: "next".into() }).unwrap();
         let r = replay(j.path()).unwrap().unwrap();
         assert_eq!((r.lines, r.pending.map(|p| p.update)), (4, None), "the owed end, then the event");
+    }
+
+    /// A begin over an update the journal holds open is refused unwritten (replay would refuse
+    /// the journal from that line on); the update open is tracked across writes and a reopen.
+    #[test]
+    fn a_begin_over_an_open_update_is_refused_unwritten() {
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        j.record(Event::Launched(plan())).unwrap();
+        assert_eq!(j.open_update(), None);
+        j.record(begin(1)).unwrap();
+        assert_eq!(j.open_update(), Some(1));
+        let e = j.record(begin(2)).unwrap_err();
+        assert!(matches!(&e, JournalError::Invalid { message, .. } if message == "update 2 cannot begin: update 1 has not ended"), "{e}");
+        drop(j);
+        let (j, r) = Journal::open(tmp.path()).unwrap();
+        assert_eq!((r.lines, j.open_update()), (2, Some(1)), "nothing written; still open after a reopen");
+        assert!(j.record(begin(2)).is_err());
+        j.record(Event::UpdateEnd { update: 1, ok: false, note: "closed".into() }).unwrap();
+        assert_eq!(j.open_update(), None);
+        j.record(begin(2)).unwrap();
+        assert_eq!(replay(j.path()).unwrap().unwrap().pending.map(|p| p.update), Some(2));
     }
 
     /// `--journal-fault fail:N` fails the write of line N once, leaving nothing of it and using

@@ -223,7 +223,11 @@ async fn resolve(
         })?;
         steps.push(format!("every answering replica already holds {target_version}"));
         cluster.release().await;
-        return Ok((complete, target, pending.update, steps));
+        // The source the session serves is the journal's: the target only where its end says
+        // the update was applied (a later update then journals the source it moves from as a
+        // recovery would read it).
+        let current = if ok { target } else { replayed.current.clone() };
+        return Ok((complete, current, pending.update, steps));
     }
     let SourceRecord::Checkpoint { dir } = &target else {
         anyhow::bail!("cannot {verb} update {}: its target is a dummy source, not a checkpoint directory", pending.update);
@@ -243,6 +247,16 @@ async fn resolve(
         known: None,
     };
     let outcome = rolling_update(cluster, rotation, config, plan).await;
+    // Refused before its begin was written (its checkpoint no longer validates, a replica's
+    // commit is pending): the interrupted update is closed here, not applied, so that no later
+    // update begins over it.
+    if journal.open_update() == Some(pending.update) {
+        journal.record(Event::UpdateEnd {
+            update: pending.update,
+            ok: false,
+            note: format!("interrupted by a coordinator restart; update {}, to {verb} it, was refused before it began", pending.update + 1),
+        })?;
+    }
     steps.push(format!("update {}: replicas {behind:?} to {} ({verb})", pending.update + 1, dir.display()));
     steps.extend(outcome.steps.iter().cloned());
     Ok((outcome.ok && complete, if outcome.ok { target } else { replayed.current.clone() }, pending.update + 1, steps))

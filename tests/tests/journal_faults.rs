@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
-use orchestrator_e2e::{Served, assert_no_mixed_group, journal, rank_versions, run, stderr, stdout, synth_tiny};
+use orchestrator_e2e::{Served, assert_no_mixed_group, copy_checkpoint, journal, rank_versions, run, stderr, stdout, synth_tiny};
 use serde_json::Value;
 
 /// A TP 2 x DP 2 cluster's two checkpoints and what a fresh launch of each holds.
@@ -321,4 +321,32 @@ fn a_recovery_killed_or_failing_to_write_at_each_of_its_lines_is_recovered_again
 #[test]
 fn the_coordinator_killed_at_each_line_of_a_one_batch_update_with_kept_buffers_is_recovered() {
     Fixture::with(&["--keep-staging-buffers"], &["--max-unavailable", "2"]).crash_at_every_line(false);
+}
+
+/// A recovery whose resolving update is refused before it begins (the checkpoint the
+/// interrupted update was moving to is gone) closes the interrupted update as not applied: the
+/// cluster serves whole replicas (dp0's decided commit finished, dp1 left as it was), the next
+/// update goes through, and the journal stays replayable (before, the interrupted update stayed
+/// open and the next update's begin made every later `recover` refuse the journal).
+#[test]
+fn a_recovery_whose_update_is_refused_closes_the_interrupted_one() {
+    let f = Fixture::new();
+    let gone = f.root.path().join("B-gone");
+    copy_checkpoint(&f.b, &gone, |_| false);
+    let fault = format!("crash-before:{}", f.dp0_committed);
+    let (mut cluster, state) = f.launch(&fault);
+    let update = cluster.cmd("update", &["--checkpoint", gone.to_str().unwrap()]);
+    assert!(!update.status.success(), "{}", stdout(&update));
+    assert_eq!(cluster.child.wait().unwrap().signal(), Some(9));
+    drop(cluster);
+    std::fs::remove_dir_all(&gone).unwrap();
+    let mut recovered = Served::recover(&state, &[]);
+    let by_replica = f.assert_whole(&recovered.report(), "recovered");
+    assert_eq!(by_replica, [f.version_b.clone(), f.version_a.clone()]);
+    assert_every_update_closed(&journal(&state), "recovered");
+    f.assert_serves_and_updates(&recovered, &by_replica, "after a refused recovery");
+    recovered.kill_coordinator();
+    let again = Served::recover(&state, &[]);
+    let after = f.assert_whole(&again.report(), "recovered again");
+    assert!(after.iter().all(|v| *v == f.version_b), "{after:?}");
 }
