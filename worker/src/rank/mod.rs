@@ -663,6 +663,11 @@ impl Rank {
                     let peers = peers_to_join(&self.collectives, r)?;
                     let (y_digest, seconds) = reduce(&mut lock(&self.collectives), backend, r, &kept.probe, peers)?;
                     let mut st = lock(&self.state);
+                    // Answered, and kept, only for the weights still staged (an abort or a later
+                    // stage may have come while it reduced).
+                    if st.shadow.as_ref().map(|s| Arc::as_ptr(&s.weights)) != Some(kept.weights.as_ptr()) {
+                        return Err(RankError::Replaced);
+                    }
                     let answer = answer_of(&st, &kept.probe, y_digest, seconds);
                     keep_verified(&mut st, kept.weights, spec, check, kept.probe, &answer);
                     Ok(answer)

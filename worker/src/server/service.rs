@@ -70,9 +70,9 @@ impl WorkerService {
         }
     }
 
-    /// Runs `f` on the rank on a blocking thread: the state lock can be held for seconds by a
-    /// probe's ring all-reduce (waiting on its peers), and waiting for it must never block the
-    /// runtime that sends this worker's heartbeats.
+    /// Runs `f` on the rank on a blocking thread: the rank's calls block (loads, round trips, a
+    /// probe's ring all-reduce waiting on its peers, which an Assign waits for), and waiting must
+    /// never block the runtime that sends this worker's heartbeats.
     async fn blocking<T: Send + 'static>(&self, f: impl FnOnce(&Rank) -> Result<T, RankError> + Send + 'static) -> Result<T, Status> {
         let rank = self.rank.clone();
         tokio::task::spawn_blocking(move || f(&rank)).await.map_err(|e| Status::internal(e.to_string()))?.map_err(Status::from)
