@@ -144,19 +144,22 @@ impl Served {
             .unwrap();
         let said = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let stderr = child.stderr.take().unwrap();
+        let (read_all, all_read) = std::sync::mpsc::channel();
         std::thread::spawn({
             let said = said.clone();
             move || {
                 for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                     said.lock().unwrap().push(line);
                 }
+                let _ = read_all.send(());
             }
         });
         let ready = match await_ready_file(&ready_file, &mut child, None, String::new) {
             Ok(ready) => ready,
             Err(status) => {
-                // Its stderr to the end (the reader thread sees it close).
-                std::thread::sleep(std::time::Duration::from_millis(50));
+                // Its stderr to the end (workers it started may still hold the pipe open: then
+                // what was read within a few seconds).
+                let _ = all_read.recv_timeout(std::time::Duration::from_secs(5));
                 return Err((status, said.lock().unwrap().join("\n")));
             }
         };
