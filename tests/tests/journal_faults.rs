@@ -171,8 +171,13 @@ impl Fixture {
     /// coordinator dies of the fault (the update's client sees it die); returns the state
     /// directory.
     fn update_killed_by(&self, fault: &str) -> PathBuf {
+        self.update_to_killed_by(&self.b, fault)
+    }
+
+    /// [`Self::update_killed_by`], the update going to `target`.
+    fn update_to_killed_by(&self, target: &Path, fault: &str) -> PathBuf {
         let (mut cluster, state) = self.launch(fault);
-        let mut args = vec!["--checkpoint", self.b.to_str().unwrap()];
+        let mut args = vec!["--checkpoint", target.to_str().unwrap()];
         args.extend_from_slice(self.update_args);
         let update = cluster.cmd("update", &args);
         assert!(!update.status.success(), "{fault}: the update's client must see its coordinator die: {}", stdout(&update));
@@ -333,12 +338,7 @@ fn a_recovery_whose_update_is_refused_closes_the_interrupted_one() {
     let f = Fixture::new();
     let gone = f.root.path().join("B-gone");
     copy_checkpoint(&f.b, &gone, |_| false);
-    let fault = format!("crash-before:{}", f.dp0_committed);
-    let (mut cluster, state) = f.launch(&fault);
-    let update = cluster.cmd("update", &["--checkpoint", gone.to_str().unwrap()]);
-    assert!(!update.status.success(), "{}", stdout(&update));
-    assert_eq!(cluster.child.wait().unwrap().signal(), Some(9));
-    drop(cluster);
+    let state = f.update_to_killed_by(&gone, &format!("crash-before:{}", f.dp0_committed));
     std::fs::remove_dir_all(&gone).unwrap();
     let mut recovered = Served::recover(&state, &[]);
     let by_replica = f.assert_whole(&recovered.report(), "recovered");
