@@ -102,7 +102,7 @@ impl ServeArgs {
             dump_root: self
                 .dump_root
                 .as_deref()
-                .map(|d| d.canonicalize().map_err(|e| anyhow::anyhow!("--dump-root {}: {e}", d.display())))
+                .map(|d| crate::dump::DumpRoot::open(d).map_err(|e| anyhow::anyhow!("--dump-root {}: {e}", d.display())))
                 .transpose()?,
             coordinator_grace: secs(self.coordinator_grace, "--coordinator-grace")?,
             health_listen: self.health_listen,

@@ -53,7 +53,10 @@ where
     let rt = roundtrip::check_rank(backend, &weights, source);
     let rt_s = t.elapsed().as_secs_f64();
     let dump = match dump_dir {
-        Some(d) => Some(dump::dump_rank(backend, &weights, d)?),
+        Some(d) => {
+            let dir = dump::DumpDir::create(d).map_err(|e| anyhow::anyhow!("--dump {}: {e}", d.display()))?;
+            Some(dump::dump_rank(backend, &weights, &dir)?)
+        }
         None => None,
     };
     let probe = match probe {

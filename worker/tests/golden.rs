@@ -16,7 +16,7 @@ use common::fixture_cases;
 use orchestrator_kernels::{CpuBackend, Digest, KernelError, ScaleRule};
 use orchestrator_model::synth::{SynthOptions, write_checkpoint};
 use orchestrator_model::{Family, Generator, ModelConfig, Preset, WeightFormat};
-use orchestrator_worker::dump::dump_rank;
+use orchestrator_worker::dump::{DumpDir, dump_rank};
 use orchestrator_worker::faults::{Fault, inject};
 use orchestrator_worker::golden::{golden_kernel_digests, golden_layer_tensors, golden_mismatches, golden_rank_digest, rank_digest_of};
 use orchestrator_worker::{LoadError, LoadSource, RankLoader, RankWeights};
@@ -137,7 +137,7 @@ fn golden_matches_python_bf16_fixture_both_rules() {
 /// Digests of a rank's `--dump` (what the fast path's kernels would read), sorted by name.
 fn dump_digests(w: &RankWeights<CpuBackend>, corrupt: Option<(&str, usize)>) -> Vec<(String, Digest)> {
     let out = tempfile::tempdir().unwrap();
-    let path = dump_rank(&CpuBackend, w, out.path()).unwrap();
+    let path = dump_rank(&CpuBackend, w, &DumpDir::create(out.path()).unwrap()).unwrap();
     let bytes = std::fs::read(path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut v: Vec<(String, Digest)> = st

@@ -11,7 +11,7 @@ use std::path::Path;
 use orchestrator_kernels::{CpuBackend, Digest, ScaleRule};
 use orchestrator_model::synth::{SynthOptions, write_checkpoint};
 use orchestrator_model::{Generator, ModelConfig, Preset, WeightFormat};
-use orchestrator_worker::dump::dump_rank;
+use orchestrator_worker::dump::{DumpDir, dump_rank};
 use orchestrator_worker::roundtrip::{RoundTripFailure, check_rank};
 use orchestrator_worker::{LoadSource, RankLoader, RankWeights};
 
@@ -41,7 +41,7 @@ fn check_python_fixture(name: &str) {
 
         // The dump holds exactly the kernel bytes, dtypes and shapes.
         let out = tempfile::tempdir().unwrap();
-        let path = dump_rank(&CpuBackend, &w, out.path()).unwrap();
+        let path = dump_rank(&CpuBackend, &w, &DumpDir::create(out.path()).unwrap()).unwrap();
         assert_eq!(path.file_name().unwrap().to_str().unwrap(), format!("rank{rank}.safetensors"));
         let bytes = std::fs::read(&path).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();

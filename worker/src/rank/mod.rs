@@ -48,7 +48,7 @@ pub struct Rank {
     pub(crate) roots: AllowedRoots,
     /// The directory (canonical) under which an assignment's dumps may be written; none: no
     /// assignment may ask for dumps.
-    dump_root: Option<std::path::PathBuf>,
+    dump_root: Option<Arc<crate::dump::DumpRoot>>,
     /// The device this rank loads and probes on (the CPU unless started on a GPU).
     pub(crate) backend: Arc<AnyBackend>,
     /// The IP the TP-ring listener binds and the host it is advertised as.
@@ -95,26 +95,23 @@ impl Rank {
         self
     }
 
-    /// Lets assignments ask for dumps under `root` (a canonical path: `--dump-root`).
-    pub fn with_dump_root(mut self, root: Option<std::path::PathBuf>) -> Self {
+    /// Lets assignments ask for dumps beneath `root` (`--dump-root`).
+    pub fn with_dump_root(mut self, root: Option<Arc<crate::dump::DumpRoot>>) -> Self {
         self.dump_root = root;
         self
     }
 
     /// Where an assignment's dumps go: `dir/dp{D}`, where `dir` (which must exist) resolves,
-    /// symlinks and all, under this rank's dump root. A rank without one writes no dumps.
-    fn dump_dir_for(&self, dir: &str, dp_rank: u32) -> Result<Option<std::path::PathBuf>, RankError> {
+    /// symlinks and all, under this rank's dump root (and each write stays beneath it: see
+    /// [`crate::dump`]). A rank without one writes no dumps.
+    fn dump_dir_for(&self, dir: &str, dp_rank: u32) -> Result<Option<crate::dump::DumpDir>, RankError> {
         if dir.is_empty() {
             return Ok(None);
         }
         let refuse = |why: String| RankError::DumpDir { dir: dir.to_string(), why };
         let root =
             self.dump_root.as_ref().ok_or_else(|| refuse("this worker was started without --dump-root: it writes no dumps".into()))?;
-        let resolved = std::path::Path::new(dir).canonicalize().map_err(|e| refuse(e.to_string()))?;
-        if !resolved.starts_with(root) {
-            return Err(refuse(format!("resolves to {}, outside --dump-root {}", resolved.display(), root.display())));
-        }
-        Ok(Some(resolved.join(format!("dp{dp_rank}"))))
+        root.beneath(std::path::Path::new(dir), &format!("dp{dp_rank}")).map(Some).map_err(refuse)
     }
 
     /// The device's name (`cpu`, or the GPU's).

@@ -34,7 +34,7 @@ pub(crate) struct Plan {
     pub(crate) source: Arc<LoadSource>,
     pub(crate) rule: ScaleRule,
     pub(crate) fault: pb::Fault,
-    pub(crate) dump_dir: Option<std::path::PathBuf>,
+    pub(crate) dump_dir: Option<crate::dump::DumpDir>,
     /// Keep the buffers an update leaves (the version it replaced, or a staged one it dropped)
     /// for the next stage to reload into, instead of freeing them (`--keep-staging-buffers`).
     pub(crate) keep_staging_buffers: bool,

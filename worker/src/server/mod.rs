@@ -46,8 +46,8 @@ pub struct ServeConfig {
     pub token: Option<Token>,
     /// Only checkpoint directories under these are read.
     pub roots: AllowedRoots,
-    /// Dumps an assignment asks for are written under this directory (canonical) only.
-    pub dump_root: Option<std::path::PathBuf>,
+    /// Dumps an assignment asks for are written beneath this directory (held open) only.
+    pub dump_root: Option<std::sync::Arc<crate::dump::DumpRoot>>,
     /// How long the worker keeps serving while its coordinator is unreachable (a restarted
     /// coordinator finds it again within this time); then it stops.
     pub coordinator_grace: Duration,

@@ -459,15 +459,76 @@ mod tests {
             AnyBackend::Cpu(orchestrator_kernels::CpuBackend),
             "h".into(),
         )
-        .with_dump_root(Some(dumps.canonicalize().unwrap()));
+        .with_dump_root(Some(crate::dump::DumpRoot::open(&dumps).unwrap()));
         let svc = WorkerService::serving(Arc::new(Notify::new()), rank);
         refused(svc.assign(assign(&elsewhere)).await.unwrap_err(), "outside --dump-root");
         refused(svc.assign(assign(&dumps.join("link"))).await.unwrap_err(), "outside --dump-root");
         refused(svc.assign(assign(&dumps.join("run/../../elsewhere"))).await.unwrap_err(), "outside --dump-root");
         refused(svc.assign(assign(&dumps.join("missing"))).await.unwrap_err(), "No such file");
         svc.assign(assign(&dumps.join("run"))).await.unwrap();
-        let planned = lock(&svc.rank.state).plan.as_ref().unwrap().dump_dir.clone();
+        let planned = lock(&svc.rank.state).plan.as_ref().unwrap().dump_dir.as_ref().map(|d| d.path());
         assert_eq!(planned, Some(dumps.canonicalize().unwrap().join("run/dp1")));
+    }
+
+    /// Each dump is written beneath the held root, its directory resolved again there at the
+    /// write: a directory replaced after the assignment's check by a symlink out of the root
+    /// fails the load, naming the file, and nothing is written outside; a symlink that stays
+    /// beneath the root is followed; a symlink planted where the file goes is replaced, not
+    /// followed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dumps_stay_beneath_the_root_whatever_is_planted_after_the_check() {
+        use tokio_stream::StreamExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let (_, src) = loaded_worker(tmp.path()).await;
+        let (dumps, elsewhere) = (tmp.path().join("dumps"), tmp.path().join("elsewhere"));
+        std::fs::create_dir_all(dumps.join("run")).unwrap();
+        std::fs::create_dir(&elsewhere).unwrap();
+        let rank = Rank::new(
+            AllowedRoots::new(&[tmp.path().to_path_buf()]).unwrap(),
+            AnyBackend::Cpu(orchestrator_kernels::CpuBackend),
+            "h".into(),
+        )
+        .with_dump_root(Some(crate::dump::DumpRoot::open(&dumps).unwrap()));
+        let svc = WorkerService::serving(Arc::new(Notify::new()), rank);
+        let assign = pb::AssignRequest {
+            tp_size: 1,
+            dp_size: 1,
+            source: Some(src("A")),
+            scale_rule: "rceil".into(),
+            dump_dir: dumps.join("run").display().to_string(),
+            ..Default::default()
+        };
+        svc.assign(Request::new(assign)).await.unwrap();
+        let load = || async {
+            let mut stream = svc.load(Request::new(pb::LoadRequest {})).await?.into_inner();
+            while let Some(p) = stream.next().await {
+                p?;
+            }
+            Ok::<(), Status>(())
+        };
+        // `run` moved away and a symlink out of the root put in its place.
+        std::fs::rename(dumps.join("run"), dumps.join("kept")).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, dumps.join("run")).unwrap();
+        let e = load().await.unwrap_err();
+        let file = dumps.canonicalize().unwrap().join("run/dp0/rank0.safetensors");
+        let root = dumps.canonicalize().unwrap();
+        let why = format!("writing {}: opening run/dp0 beneath the dump root {}: ", file.display(), root.display());
+        assert!(e.message().contains(&why), "{}", e.message());
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0, "nothing written outside the root");
+        // A symlink that stays beneath the root is followed.
+        std::fs::remove_file(dumps.join("run")).unwrap();
+        std::os::unix::fs::symlink("kept", dumps.join("run")).unwrap();
+        load().await.unwrap();
+        let dumped = dumps.join("kept/dp0/rank0.safetensors");
+        safetensors::SafeTensors::deserialize(&std::fs::read(&dumped).unwrap()).unwrap();
+        // A symlink planted where the file goes is replaced by the file.
+        let victim = elsewhere.join("victim");
+        std::fs::write(&victim, b"keep").unwrap();
+        std::fs::remove_file(&dumped).unwrap();
+        std::os::unix::fs::symlink(&victim, &dumped).unwrap();
+        load().await.unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+        assert!(std::fs::symlink_metadata(&dumped).unwrap().is_file());
     }
 
     /// A stage takes its epoch as its request arrives: an abort that comes while its source is
