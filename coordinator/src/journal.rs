@@ -33,6 +33,35 @@ pub enum JournalError {
     /// Another coordinator holds the state directory (it is alive): nothing was changed.
     #[error("state directory {dir} is held by a running coordinator ({holder}); nothing was changed")]
     Locked { dir: PathBuf, holder: String },
+    /// An update's begin that cannot follow what the journal holds ([`check_begin`]): refused
+    /// unwritten by [`Journal::record`] (no `line`), or found at `line` by [`replay`].
+    #[error("{}{}: {refused}", .file.display(), .line.map(|l| format!(":{l}")).unwrap_or_default())]
+    Begin { file: PathBuf, line: Option<usize>, refused: BeginRefused },
+}
+
+/// Why an update cannot begin after what a journal holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BeginRefused {
+    #[error("update {update} begins while update {open} has not ended")]
+    OverOpen { update: u64, open: u64 },
+    #[error("update {update} resumes update {resumes}, which is not in flight")]
+    NothingToResume { update: u64, resumes: u64 },
+    #[error("update {update} resumes update {resumes}, which is not an earlier one")]
+    NotLater { update: u64, resumes: u64 },
+}
+
+/// The one rule for an update's begin, which the writer keeps (refusing the line unwritten) and
+/// replay checks (refusing a journal that breaks it), so that nothing replay refuses is
+/// written: with no update open, a begin that resumes none; with update `open` open, only a
+/// later update's begin that resumes it (closing it in the same line).
+pub fn check_begin(open: Option<u64>, update: u64, resumes: Option<u64>) -> Result<(), BeginRefused> {
+    match (open, resumes) {
+        (None, None) => Ok(()),
+        (Some(open), Some(r)) if r == open && update > r => Ok(()),
+        (Some(open), Some(r)) if r == open => Err(BeginRefused::NotLater { update, resumes: r }),
+        (Some(open), _) => Err(BeginRefused::OverOpen { update, open }),
+        (None, Some(r)) => Err(BeginRefused::NothingToResume { update, resumes: r }),
+    }
 }
 
 /// The lock file a coordinator holds (an exclusive advisory lock) for as long as it runs on a
@@ -500,16 +529,14 @@ impl Journal {
                 return Err(e);
             }
         }
-        // A begin over an update still open is refused unwritten: replay would refuse the journal
-        // from that line on (and with it every `recover`).
-        if let Event::UpdateBegin { update, resumes, .. } = &event
-            && let Some(open) = a.open
-            && *resumes != Some(open)
-        {
-            return Err(JournalError::Invalid {
+        // A begin replay would refuse (and with it the journal from that line on, and every
+        // `recover`) is refused unwritten.
+        if let Event::UpdateBegin { update, resumes, .. } = &event {
+            check_begin(a.open, *update, *resumes).map_err(|refused| JournalError::Begin {
                 file: self.path.clone(),
-                message: format!("update {update} cannot begin: update {open} has not ended"),
-            });
+                line: None,
+                refused,
+            })?;
         }
         let written = self.write(&mut a, &event);
         if written.is_err() {
@@ -625,15 +652,12 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                 match other {
                     Event::Launched(_) => unreachable!("handled above"),
                     Event::UpdateBegin { update, from, to, new_version, max_unavailable, resumes } => {
-                        match (&s.pending, resumes) {
-                            (None, None) => {}
-                            // Closed here as its own end (not applied) would have closed it.
-                            (Some(p), Some(r)) if p.update == r && update > r => {}
-                            (Some(p), _) => {
-                                return Err(corrupt(format!("update {update} begins while update {} has not ended", p.update)));
-                            }
-                            (None, Some(r)) => return Err(corrupt(format!("update {update} resumes update {r}, which is not in flight"))),
-                        }
+                        // A resumed update is closed here as its own end (not applied) would close it.
+                        check_begin(s.pending.as_ref().map(|p| p.update), update, resumes).map_err(|refused| JournalError::Begin {
+                            file: path.to_path_buf(),
+                            line: Some(i + 1),
+                            refused,
+                        })?;
                         s.last_update = s.last_update.max(update);
                         s.pending = Some(PendingUpdate { update, from, to, new_version, max_unavailable, steps: BTreeMap::new() });
                     }
@@ -866,17 +890,21 @@ mod tests {
         }
     }
 
-    /// A recovery's update closes the interrupted one in its begin's line (nothing in flight
-    /// between them); a begin resuming an update not in flight is refused with its line; a
-    /// resuming begin that cannot be written leaves the interrupted update's end owed.
-    #[test]
-    fn a_resuming_begin_closes_the_interrupted_update_in_one_line() {
-        let resume = |update, r| match begin(update) {
+    /// `begin(update)` resuming update `r`.
+    fn resume(update: u64, r: u64) -> Event {
+        match begin(update) {
             Event::UpdateBegin { update, from, to, new_version, max_unavailable, .. } => {
                 Event::UpdateBegin { update, from, to, new_version, max_unavailable, resumes: Some(r) }
             }
             _ => unreachable!(),
-        };
+        }
+    }
+
+    /// A recovery's update closes the interrupted one in its begin's line (nothing in flight
+    /// between them); a resuming begin that cannot be written leaves the interrupted update's
+    /// end owed.
+    #[test]
+    fn a_resuming_begin_closes_the_interrupted_update_in_one_line() {
         let tmp = tempfile::tempdir().unwrap();
         let j = Journal::create(tmp.path()).unwrap();
         j.record(Event::Launched(plan())).unwrap();
@@ -884,11 +912,6 @@ mod tests {
         j.record(resume(2, 1)).unwrap();
         let r = replay(j.path()).unwrap().unwrap();
         assert_eq!((r.lines, r.pending.map(|p| p.update), r.current_version.as_str()), (3, Some(2), "va"), "update 1 not applied");
-        // Resuming an update that is not the one in flight (or none): refused, with the line.
-        j.record(Event::UpdateEnd { update: 2, ok: true, note: "done".into() }).unwrap();
-        j.record(resume(3, 1)).unwrap();
-        let e = replay(j.path()).unwrap_err();
-        assert!(matches!(&e, JournalError::Corrupt { line: 5, message, .. } if message.contains("not in flight")), "{e}");
         // A resuming begin that fails leaves the interrupted update's end owed.
         let tmp = tempfile::tempdir().unwrap();
         let j = Journal::create(tmp.path()).unwrap();
@@ -899,6 +922,63 @@ mod tests {
         j.record(Event::Recovered { note: "next".into() }).unwrap();
         let r = replay(j.path()).unwrap().unwrap();
         assert_eq!((r.lines, r.pending.map(|p| p.update)), (4, None), "the owed end, then the event");
+    }
+
+    /// The writer and replay keep one rule for a begin: for every update open (none, 1, 2), every
+    /// update number and every update resumed (none, 1 to 3), the writer takes the begin exactly
+    /// where replay takes a journal holding it, and refuses it (unwritten) for the reason replay
+    /// gives, with its line, for the same line written by hand. The begins taken are exactly a
+    /// plain begin with nothing open and a later update's begin resuming the open one.
+    #[test]
+    fn the_writer_and_replay_take_and_refuse_the_same_begins() {
+        let mut taken = Vec::new();
+        for open in [None, Some(1), Some(2)] {
+            for update in 1..=3 {
+                for resumes in [None, Some(1), Some(2), Some(3)] {
+                    let case = format!("open {open:?}, update {update}, resumes {resumes:?}");
+                    let tmp = tempfile::tempdir().unwrap();
+                    let j = Journal::create(tmp.path()).unwrap();
+                    j.record(Event::Launched(plan())).unwrap();
+                    if let Some(open) = open {
+                        j.record(begin(open)).unwrap();
+                    }
+                    let event = match resumes {
+                        Some(r) => resume(update, r),
+                        None => begin(update),
+                    };
+                    let lines = 1 + u64::from(open.is_some());
+                    match j.record(event.clone()) {
+                        Ok(()) => {
+                            let r = replay(j.path()).unwrap().unwrap();
+                            assert_eq!((r.lines, r.pending.map(|p| p.update)), (lines + 1, Some(update)), "{case}");
+                            taken.push((open, update, resumes));
+                        }
+                        Err(JournalError::Begin { line: None, refused, .. }) => {
+                            assert_eq!(replay(j.path()).unwrap().unwrap().lines, lines, "{case}: unwritten");
+                            let line = Line { seq: lines + 1, unix_ms: 0, event };
+                            let mut f = OpenOptions::new().append(true).open(j.path()).unwrap();
+                            writeln!(f, "{}", serde_json::to_string(&line).unwrap()).unwrap();
+                            match replay(j.path()) {
+                                Err(JournalError::Begin { line: Some(at), refused: why, .. }) => {
+                                    assert_eq!((at as u64, why), (lines + 1, refused), "{case}")
+                                }
+                                other => panic!("{case}: the writer refused it ({refused}), replay gave {other:?}"),
+                            }
+                        }
+                        Err(e) => panic!("{case}: {e}"),
+                    }
+                }
+            }
+        }
+        let want: Vec<_> =
+            [(None, 1, None), (None, 2, None), (None, 3, None), (Some(1), 2, Some(1)), (Some(1), 3, Some(1)), (Some(2), 3, Some(2))]
+                .into_iter()
+                .collect();
+        let mut got = taken;
+        got.sort();
+        let mut want = want;
+        want.sort();
+        assert_eq!(got, want);
     }
 
     /// A begin over an update the journal holds open is refused unwritten (replay would refuse
@@ -912,7 +992,8 @@ mod tests {
         j.record(begin(1)).unwrap();
         assert_eq!(j.open_update(), Some(1));
         let e = j.record(begin(2)).unwrap_err();
-        assert!(matches!(&e, JournalError::Invalid { message, .. } if message == "update 2 cannot begin: update 1 has not ended"), "{e}");
+        assert!(matches!(e, JournalError::Begin { line: None, refused: BeginRefused::OverOpen { update: 2, open: 1 }, .. }), "{e}");
+        assert!(e.to_string().ends_with("journal.jsonl: update 2 begins while update 1 has not ended"), "{e}");
         drop(j);
         let (j, r) = Journal::open(tmp.path()).unwrap();
         assert_eq!((r.lines, j.open_update()), (2, Some(1)), "nothing written; still open after a reopen");
