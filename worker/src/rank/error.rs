@@ -60,6 +60,8 @@ pub enum RankError {
 
     #[error("stage: superseded by a later stage or abort")]
     Superseded,
+    #[error("load: superseded by a later load, commit, rollback or assignment (its weights were dropped)")]
+    LoadSuperseded,
     #[error("probe: the weights it computed on were replaced meanwhile (ask again)")]
     Replaced,
 
@@ -156,7 +158,7 @@ impl From<RankError> for Status {
             | NoListener
             | NotVerified { .. } => Status::failed_precondition(message),
             StagedInUse | KeptInUse | Ring { .. } | AllReduce(_) => Status::unavailable(message),
-            Superseded | Replaced => Status::aborted(message),
+            Superseded | LoadSuperseded | Replaced => Status::aborted(message),
             Reopen(_) | DumpDir { .. } => Status::permission_denied(message),
             ScaleRule(_)
             | TooLong(_)
@@ -220,6 +222,11 @@ mod tests {
             (RankError::Ring { epoch: 3, why: ring() }, Code::Unavailable, "collective (epoch 3): invalid ring: no peers"),
             (RankError::AllReduce(ring()), Code::Unavailable, "all-reduce: invalid ring: no peers"),
             (RankError::Superseded, Code::Aborted, "stage: superseded by a later stage or abort"),
+            (
+                RankError::LoadSuperseded,
+                Code::Aborted,
+                "load: superseded by a later load, commit, rollback or assignment (its weights were dropped)",
+            ),
             (RankError::Replaced, Code::Aborted, "probe: the weights it computed on were replaced meanwhile (ask again)"),
             (SourceError::Missing.into(), Code::InvalidArgument, "source: missing (checkpoint_dir or dummy)"),
             (RankError::Reopen(Box::new(model())), Code::PermissionDenied, ""),

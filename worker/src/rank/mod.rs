@@ -170,9 +170,9 @@ impl Rank {
         };
         let mut co = lock(&self.collectives);
         let mut st = lock(&self.state);
-        let stage_epoch = st.stage_epoch + 1;
+        let (stage_epoch, load_epoch) = (st.stage_epoch + 1, st.load_epoch + 1);
         *co = state::Collectives { tp_rank: a.plan.tp_rank, tp_size: a.plan.tp_size, listener: Some(a.listener), ..Default::default() };
-        *st = State { plan: Some(a.plan), stage_epoch, ..State::default() };
+        *st = State { plan: Some(a.plan), stage_epoch, load_epoch, ..State::default() };
         Ok(pb::AssignResponse { collective_address: a.address, nccl_unique_id })
     }
 
@@ -273,17 +273,13 @@ impl Rank {
     /// `shadow`: load `reload_from` into fresh shadow buffers beside the active weights
     /// (a staged update) instead of into the active ones, doing what `stage` asks besides.
     fn start_load(&self, reload_from: Option<LoadSource>, shadow: bool, stage: StageOptions) -> Result<Progress, RankError> {
-        let ((source, tp, rank, dp_rank, rule, fault, total, dump_dir, epoch), spare) = {
+        let ((source, tp, rank, dp_rank, rule, fault, total, dump_dir), epoch, spare) = {
             let mut st = lock(&self.state);
-            if shadow {
-                match stage.epoch {
-                    Some(e) if e != st.stage_epoch => return Err(RankError::Superseded),
-                    Some(_) => {}
-                    None => st.stage_epoch += 1,
-                }
-                keep_or_drop(&mut st, |st| st.previous.take().and_then(|(w, _)| unshared(w)));
+            if shadow && stage.epoch.is_some_and(|e| e != st.stage_epoch) {
+                return Err(RankError::Superseded);
             }
-            let epoch = st.stage_epoch;
+            // Refusals first: a refused load or stage changes nothing (before, a refused stage
+            // had already dropped the version kept for a rollback).
             let plan = st.plan.as_ref().ok_or(RankError::LoadBeforeAssign)?;
             if reload_from.is_some() && st.weights.is_none() {
                 return Err(RankError::NothingToReload);
@@ -308,11 +304,22 @@ impl Rank {
                 plan.fault,
                 plan.source.config().geometry.layers,
                 plan.dump_dir.clone(),
-                epoch,
             );
+            // A stage lands only while no later stage, abort or assignment came; a load only
+            // while no later load, commit, rollback or assignment did.
+            let epoch = if shadow {
+                if stage.epoch.is_none() {
+                    st.stage_epoch += 1;
+                }
+                keep_or_drop(&mut st, |st| st.previous.take().and_then(|(w, _)| unshared(w)));
+                st.stage_epoch
+            } else {
+                st.load_epoch += 1;
+                st.load_epoch
+            };
             // A stage reloads into the kept buffers, if any.
             let spare = if shadow { st.spare.take() } else { None };
-            (values, spare)
+            (values, epoch, spare)
         };
         let reused = spare.is_some();
         let source = match reload_from {
@@ -349,6 +356,8 @@ impl Rank {
                 }));
             };
             let backend = &*backend;
+            // A dump's failure, written once the loaded weights are in place (it does not undo them).
+            let mut dumped = Ok(());
             let result = (|| -> Result<(RankWeights<AnyBackend>, Option<crate::roundtrip::RoundTrip>), RankError> {
                 let loader = RankLoader::new(backend, source.config(), tp, rank, rule).map_err(|e| RankError::LoadPlan(Box::new(e)))?;
                 if shadow {
@@ -397,7 +406,7 @@ impl Rank {
                     w.refresh_kernel_digests(backend).map_err(|e| RankError::Digests(Box::new(e)))?;
                 }
                 if let Some(dir) = &dump_dir {
-                    crate::dump::dump_rank(backend, &w, dir).map_err(RankError::Dump)?;
+                    dumped = crate::dump::dump_rank(backend, &w, dir).map(drop).map_err(RankError::Dump);
                 }
                 Ok((w, None))
             })();
@@ -432,6 +441,11 @@ impl Rank {
                         }
                         st.shadow = Some(Staged { weights: Arc::new(w), source, round_trip, path, seconds });
                     } else {
+                        if st.load_epoch != epoch {
+                            drop(st);
+                            let _ = tx.blocking_send(Err(RankError::LoadSuperseded));
+                            return;
+                        }
                         st.weights = Some(Arc::new(w));
                         st.committed_round_trip = None;
                         st.committed_probe = None;
@@ -445,6 +459,10 @@ impl Rank {
                         }
                     }
                     drop(st);
+                    if let Err(e) = dumped {
+                        let _ = tx.blocking_send(Err(e));
+                        return;
+                    }
                     let _ = tx.blocking_send(Ok(pb::LoadProgress {
                         layers_done: total as u32,
                         layers_total: total as u32,
@@ -599,6 +617,9 @@ impl Rank {
         let limit = orchestrator_proto::limits::MAX_RING_TIMEOUT;
         if u128::from(r.timeout_ms) > limit.as_millis() {
             return Err(RankError::RingTimeout { ms: r.timeout_ms, limit_ms: limit.as_millis() });
+        }
+        for peer in &r.peers {
+            check_len("peers", peer, MAX_NAME_BYTES)?;
         }
         let tp_size = lock(&self.state).plan.as_ref().map_or(1, |p| p.tp_size);
         if phase != pb::ProbePhase::Compute && !r.kept && r.nccl_unique_id.is_empty() && tp_size > 1 && r.peers.len() != tp_size {

@@ -81,6 +81,10 @@ pub(crate) struct State {
     /// Abort came meanwhile (a stage abandoned by a coordinator that died can never land after
     /// its successor aborted or restaged).
     pub(crate) stage_epoch: u64,
+    /// Bumped by every Load (and Reload), Commit, rollback and Assign: a load installs its
+    /// weights only if none of them came meanwhile (a load that outlived its assignment, or a
+    /// commit's swap, never lands over what came after it).
+    pub(crate) load_epoch: u64,
     /// How long the active weights took to load (or, after a commit, to stage), and the same
     /// for the kept version.
     pub(crate) load_seconds: f64,
@@ -256,6 +260,7 @@ impl State {
         self.committed_probe =
             self.verified_probe.take().filter(|(kept, _)| std::ptr::eq(kept.as_ptr(), staged_at)).map(|(_, k)| (w.generation, k));
         let replaced = self.plan.as_mut().map(|p| std::mem::replace(&mut p.source, source));
+        self.load_epoch += 1;
         self.previous = self.weights.take().zip(replaced);
         let generation = w.generation;
         self.weights = Some(Arc::new(w));
@@ -299,6 +304,7 @@ impl State {
                 }
             };
             w.generation = self.weights.as_ref().map_or(1, |cur| cur.generation + 1);
+            self.load_epoch += 1;
             self.committed_round_trip = None;
             self.committed_probe = None;
             if let Some(p) = self.plan.as_mut() {

@@ -412,6 +412,12 @@ mod tests {
                 "expected_version",
             ),
             (svc.set_serving(Request::new(pb::SetServingRequest { serving: true, version: huge.clone() })).await.map(drop), "version"),
+            (
+                svc.probe(Request::new(pb::ProbeRequest { tokens: 2, latents: 16, peers: vec![huge.clone()], ..Default::default() }))
+                    .await
+                    .map(drop),
+                "peers",
+            ),
         ];
         for (dp_rank, dp_size) in [(0, 0), (1, 1), (0, u32::MAX)] {
             let r = pb::AssignRequest { dp_rank, dp_size, ..assign(src("A"), "rceil", "") };
@@ -510,6 +516,8 @@ mod tests {
         std::fs::rename(dumps.join("run"), dumps.join("kept")).unwrap();
         std::os::unix::fs::symlink(&elsewhere, dumps.join("run")).unwrap();
         let e = load().await.unwrap_err();
+        let held = svc.rank.versions().0;
+        assert!(!held.is_empty(), "a failed dump keeps the weights it was to dump");
         let file = dumps.canonicalize().unwrap().join("run/dp0/rank0.safetensors");
         let root = dumps.canonicalize().unwrap();
         let why = format!("writing {}: opening run/dp0 beneath the dump root {}: ", file.display(), root.display());
@@ -519,6 +527,7 @@ mod tests {
         std::fs::remove_file(dumps.join("run")).unwrap();
         std::os::unix::fs::symlink("kept", dumps.join("run")).unwrap();
         load().await.unwrap();
+        assert_eq!(svc.rank.versions().0, held, "the same version loaded again");
         let dumped = dumps.join("kept/dp0/rank0.safetensors");
         safetensors::SafeTensors::deserialize(&std::fs::read(&dumped).unwrap()).unwrap();
         // A symlink planted where the file goes is replaced by the file.
@@ -529,6 +538,76 @@ mod tests {
         load().await.unwrap();
         assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
         assert!(std::fs::symlink_metadata(&dumped).unwrap().is_file());
+    }
+
+    /// A stage the rank refuses (another geometry) changes nothing: the version the last commit
+    /// replaced is still kept, and a journaled rollback to it still goes through (before, the
+    /// refused stage had already dropped it, and the rollback failed with nothing kept).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_stage_keeps_the_version_a_rollback_needs() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, src) = loaded_worker(tmp.path()).await;
+        let a = svc.rank.versions().0;
+        stage(&svc, src("B")).await;
+        svc.commit(Request::new(pb::CommitRequest { expected_version: String::new() })).await.unwrap();
+        let config = ModelConfig::from_preset(orchestrator_model::Preset::Tiny, Some(2), false).unwrap();
+        write_checkpoint(&tmp.path().join("D"), &SynthOptions { config, seed: 4, max_shard_bytes: 1 << 30, preset_name: None }).unwrap();
+        let refused = svc.stage(Request::new(pb::StageRequest { source: Some(src("D")), reference: None, defer_round_trip: false })).await;
+        assert_eq!(refused.err().map(|e| e.code()), Some(tonic::Code::FailedPrecondition));
+        let back = svc.abort(Request::new(pb::AbortRequest { rollback: true, expected_version: a.clone() })).await.unwrap();
+        assert_eq!(back.into_inner().checkpoint_version, a);
+    }
+
+    /// A load that a later load, or an assignment, overtakes while it runs never lands: it
+    /// answers ABORTED and the rank holds what came after it (before, the last load to finish
+    /// installed its weights, and its source, under whatever plan was current then). Each
+    /// load here is 3 layers of dsv41-flash at TP 2, and the later call comes after the first
+    /// layer's progress, so the first load is still running.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_load_overtaken_by_a_later_load_or_an_assignment_never_lands() {
+        use tokio_stream::StreamExt;
+        let svc = WorkerService::new(Arc::new(Notify::new()), AllowedRoots::default());
+        let dummy = |seed| pb::LoadSource {
+            kind: Some(Kind::Dummy(pb::DummySource { preset: "dsv41-flash".into(), layers: 3, seed, bf16: false })),
+            content: None,
+        };
+        let assign = |seed| pb::AssignRequest {
+            tp_size: 2,
+            dp_size: 1,
+            source: Some(dummy(seed)),
+            scale_rule: "rceil".into(),
+            ..Default::default()
+        };
+        // The rest of a load, once its first layer is done.
+        async fn after_first_layer(svc: &WorkerService) -> ProgressStream {
+            let mut stream = svc.load(Request::new(pb::LoadRequest {})).await.unwrap().into_inner();
+            let first = stream.next().await.unwrap().unwrap();
+            assert!(!first.finished && first.layers_done >= 1, "{first:?}");
+            stream
+        }
+        async fn outcome(mut stream: ProgressStream) -> Result<String, Status> {
+            let mut version = String::new();
+            while let Some(p) = stream.next().await {
+                version = p?.version;
+            }
+            Ok(version)
+        }
+        svc.assign(Request::new(assign(1))).await.unwrap();
+        let first = after_first_layer(&svc).await;
+        let second = svc.load(Request::new(pb::LoadRequest {})).await.unwrap().into_inner();
+        let (first, second) = (outcome(first).await, outcome(second).await.unwrap());
+        assert_eq!(first.unwrap_err().code(), tonic::Code::Aborted, "the overtaken load");
+        assert_eq!(svc.rank.versions().0, second, "the later load's weights");
+        // A load of assignment 1 overtaken by assignment 2: the rank holds nothing (assignment 2
+        // loaded nothing yet), and its plan is assignment 2's.
+        let stale = after_first_layer(&svc).await;
+        svc.assign(Request::new(assign(2))).await.unwrap();
+        assert_eq!(outcome(stale).await.unwrap_err().code(), tonic::Code::Aborted);
+        assert_eq!(svc.rank.versions().0, "", "nothing loaded under assignment 2");
+        let planned = lock(&svc.rank.state).plan.as_ref().map(|p| p.source.version());
+        let loaded = outcome(svc.load(Request::new(pb::LoadRequest {})).await.unwrap().into_inner()).await.unwrap();
+        assert_eq!(planned.as_deref(), Some(loaded.as_str()), "assignment 2's source is the plan's");
+        assert_ne!(loaded, second, "assignment 2 is another version");
     }
 
     /// A stage takes its epoch as its request arrives: an abort that comes while its source is
