@@ -7,7 +7,7 @@
 //! A line cut short by a kill mid-write is the only damage tolerated, and only as the last
 //! line; anything else is refused with the file and line named.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -48,13 +48,22 @@ pub enum BeginRefused {
     NothingToResume { update: u64, resumes: u64 },
     #[error("update {update} resumes update {resumes}, which is not an earlier one")]
     NotLater { update: u64, resumes: u64 },
+    #[error("update number {update} is out of range (at most {MAX_UPDATE})")]
+    OutOfRange { update: u64 },
 }
+
+/// The largest update number a journal holds (so that the next one, and the one a recovery
+/// begins to resolve it, are always numbers too: a hand-edited journal cannot overflow them).
+pub const MAX_UPDATE: u64 = 1 << 53;
 
 /// The one rule for an update's begin, which the writer keeps (refusing the line unwritten) and
 /// replay checks (refusing a journal that breaks it), so that nothing replay refuses is
 /// written: with no update open, a begin that resumes none; with update `open` open, only a
 /// later update's begin that resumes it (closing it in the same line).
 pub fn check_begin(open: Option<u64>, update: u64, resumes: Option<u64>) -> Result<(), BeginRefused> {
+    if update > MAX_UPDATE {
+        return Err(BeginRefused::OutOfRange { update });
+    }
     match (open, resumes) {
         (None, None) => Ok(()),
         (Some(open), Some(r)) if r == open && update > r => Ok(()),
@@ -351,11 +360,44 @@ pub struct Replayed {
     pub last_update: u64,
     /// Replicas with a commit decision that no confirmation followed: replica -> decided version.
     pub decided: BTreeMap<u32, String>,
+    /// The last update, ended not applied while every replica it reached was committed or
+    /// decided: once the last of those commits is confirmed, its target is `current`.
+    pub settling: Option<Settling>,
     /// A torn last line was ignored.
     pub torn_tail: bool,
     /// Complete lines, and the bytes they take (where appending resumes).
     pub lines: u64,
     pub complete_bytes: u64,
+}
+
+/// An update that ended not applied only because some of its decided commits were not yet
+/// confirmed (every replica it reached was committed or decided).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Settling {
+    pub to: SourceRecord,
+    pub version: String,
+    /// The replicas whose commit to `version` is still unconfirmed.
+    pub unconfirmed: BTreeSet<u32>,
+}
+
+impl Settling {
+    /// What an update ending not applied leaves to settle: `None` unless every replica it
+    /// reached (`steps`) was committed or decided.
+    pub fn after(to: SourceRecord, version: String, steps: &BTreeMap<u32, Step>) -> Option<Self> {
+        let reached_all = !steps.is_empty() && steps.values().all(|s| matches!(s, Step::Committed | Step::Decided));
+        reached_all.then(|| {
+            let unconfirmed = steps.iter().filter(|(_, s)| **s == Step::Decided).map(|(dp, _)| *dp).collect();
+            Self { to, version, unconfirmed }
+        })
+    }
+
+    /// Replica `dp` confirmed its commit to `version`: whether every replica now has.
+    pub fn confirm(&mut self, dp: u32, version: &str) -> bool {
+        if version == self.version {
+            self.unconfirmed.remove(&dp);
+        }
+        self.unconfirmed.is_empty()
+    }
 }
 
 /// Debugging (`--journal-fault`): the coordinator fails at one line of its journal, so a test
@@ -642,6 +684,7 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                     shut_down: false,
                     last_update: 0,
                     decided: BTreeMap::new(),
+                    settling: None,
                     torn_tail: false,
                     lines: 0,
                     complete_bytes: 0,
@@ -660,6 +703,7 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                         })?;
                         s.last_update = s.last_update.max(update);
                         s.pending = Some(PendingUpdate { update, from, to, new_version, max_unavailable, steps: BTreeMap::new() });
+                        s.settling = None;
                     }
                     Event::UpdateStep { update, dp, step } => match &mut s.pending {
                         Some(p) if p.update == update && dp < s.plan.dp => {
@@ -684,6 +728,15 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                             if ok {
                                 s.current = p.to;
                                 s.current_version = p.new_version;
+                            } else {
+                                s.settling = Settling::after(p.to, p.new_version, &p.steps);
+                                // Every commit it decided was confirmed before it ended.
+                                if s.settling.as_ref().is_some_and(|st| st.unconfirmed.is_empty())
+                                    && let Some(done) = s.settling.take()
+                                {
+                                    s.current = done.to;
+                                    s.current_version = done.version;
+                                }
                             }
                         }
                         _ => return Err(corrupt(format!("update {update} ends without having begun"))),
@@ -693,6 +746,15 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
                             return Err(corrupt(format!("replica dp{dp} confirms a commit to {version} that was not decided")));
                         }
                         s.decided.remove(&dp);
+                        // The last confirmation of an update that ended only short of them: its
+                        // target is what every replica serves.
+                        if let Some(settling) = s.settling.as_mut()
+                            && settling.confirm(dp, &version)
+                            && let Some(done) = s.settling.take()
+                        {
+                            s.current = done.to;
+                            s.current_version = done.version;
+                        }
                     }
                     Event::Recovered { .. } => s.shut_down = false,
                     Event::Shutdown => s.shut_down = true,
@@ -791,6 +853,54 @@ mod tests {
         drop(j);
         let e = Journal::create(tmp.path()).err().unwrap();
         assert!(matches!(e, JournalError::Invalid { .. }) && e.to_string().contains("orchestrator recover"), "{e}");
+    }
+
+    /// What every replica serves after an update that ended not applied: its target once every
+    /// replica it reached is committed (a replica with a dead rank skipped: never reached) or
+    /// its decided commit is confirmed after the end; the version before while a replica it
+    /// reached stays behind (aborted, or still staging), or once another update begins.
+    #[test]
+    fn an_update_ended_short_of_confirmations_settles_on_its_target() {
+        let b = SourceRecord::Checkpoint { dir: "/ck/B".into() };
+        let run = |steps: &[(u32, Step)], after: &[Event]| {
+            let tmp = tempfile::tempdir().unwrap();
+            let j = Journal::create(tmp.path()).unwrap();
+            j.record(Event::Launched(plan())).unwrap();
+            j.record(begin(1)).unwrap();
+            for &(dp, step) in steps {
+                j.record(Event::UpdateStep { update: 1, dp, step }).unwrap();
+            }
+            j.record(Event::UpdateEnd { update: 1, ok: false, note: "short".into() }).unwrap();
+            for e in after {
+                j.record(e.clone()).unwrap();
+            }
+            let r = replay(j.path()).unwrap().unwrap();
+            (r.current_version, r.current, r.settling.map(|s| s.unconfirmed))
+        };
+        let through = |dp, last| {
+            let all = [Step::Staging, Step::Verified, Step::Decided, Step::Committed];
+            all.into_iter().take_while(move |s| *s != last).chain([last]).map(move |s| (dp, s)).collect::<Vec<_>>()
+        };
+        let confirm = |dp| Event::CommitConfirmed { dp, version: "vb".into() };
+        let a = SourceRecord::Checkpoint { dir: "/ck/A".into() };
+        let both_decided: Vec<_> = [through(0, Step::Committed), through(1, Step::Decided)].concat();
+        // dp1's commit unconfirmed at the end: settling; confirmed after it: the target.
+        assert_eq!(run(&both_decided, &[]), ("va".into(), a.clone(), Some(BTreeSet::from([1]))));
+        assert_eq!(run(&both_decided, &[confirm(1)]), ("vb".into(), b.clone(), None));
+        // dp1 skipped (a dead rank): every replica reached committed.
+        assert_eq!(run(&through(0, Step::Committed), &[]), ("vb".into(), b.clone(), None));
+        // dp1 aborted, or never past staging: the version before.
+        for dp1 in [vec![(1, Step::Staging), (1, Step::Aborted)], vec![(1, Step::Staging)]] {
+            assert_eq!(run(&[through(0, Step::Committed), dp1].concat(), &[]), ("va".into(), a.clone(), None));
+        }
+        // Another update begins first: its own end decides (nothing settles from update 1).
+        let mut second = begin(2);
+        if let Event::UpdateBegin { to, new_version, .. } = &mut second {
+            *to = SourceRecord::Checkpoint { dir: "/ck/C".into() };
+            *new_version = "vc".into();
+        }
+        let after = [second, Event::UpdateEnd { update: 2, ok: false, note: "refused".into() }, confirm(1)];
+        assert_eq!(run(&both_decided, &after), ("va".into(), a, None));
     }
 
     /// A commit decision outlives the update that made it until a confirmation follows, in that
@@ -970,6 +1080,11 @@ mod tests {
                 }
             }
         }
+        // An update number past the range is refused whatever else holds.
+        for open in [None, Some(1)] {
+            assert_eq!(check_begin(open, MAX_UPDATE + 1, open), Err(BeginRefused::OutOfRange { update: MAX_UPDATE + 1 }));
+        }
+        assert_eq!(check_begin(None, MAX_UPDATE, None), Ok(()));
         let want: Vec<_> =
             [(None, 1, None), (None, 2, None), (None, 3, None), (Some(1), 2, Some(1)), (Some(1), 3, Some(1)), (Some(2), 3, Some(2))]
                 .into_iter()

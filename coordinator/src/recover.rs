@@ -120,7 +120,13 @@ async fn settle_decisions(cluster: &Cluster, rotation: &Rotation, journal: &Jour
                     }
                     other => {
                         let why = format!("the decided commit to {version} cannot finish now: {other:?}");
-                        rotation.pull(dp, &why);
+                        // A dead rank never confirms: its replica is out for good, and the
+                        // resolving update skips it (as a live update does) instead of refusing.
+                        if other.has_dead_rank() {
+                            rotation.mark_dead(dp, &why);
+                        } else {
+                            rotation.pull(dp, &why);
+                        }
                         rotation.set_pending_commit(dp, Some(version.clone()));
                         steps.push(format!("replica dp{dp}: {why}; out of rotation until every rank confirms it"));
                     }
@@ -245,6 +251,9 @@ async fn resolve(
         roots,
         commit_timeout: commit_timeout(&replayed.plan),
         known: None,
+        // The version the interrupted update was rolling out (or the one every replica served
+        // before it), not whatever the directory holds now.
+        expected_version: Some(&target_version),
     };
     let outcome = rolling_update(cluster, rotation, config, plan).await;
     // Refused before its begin was written (its checkpoint no longer validates, a replica's
@@ -327,6 +336,9 @@ pub async fn recover(
     let update_probe = probe.unwrap_or(ProbeSpec::SERVING);
     let mut steps = Vec::new();
     settle_decisions(&cluster, &rotation, &journal, &replayed, &mut steps).await;
+    // What the confirmations it journaled settle (the last commit an ended update left
+    // unconfirmed makes its target the current source).
+    let replayed = crate::journal::replay(journal.path())?.unwrap_or(replayed);
     let observed = observe(&cluster).await;
     for line in &observed.lines {
         eprintln!("  {line}");
@@ -345,8 +357,14 @@ pub async fn recover(
             }
         }
     }
-    let (resolved, current_source, last_update, steps) =
+    let (resolved, resolved_source, last_update, steps) =
         resolve(&cluster, &rotation, &journal, &replayed, &config, update_probe, how, &observed, &roots, steps).await?;
+    // The journal's account of what every replica serves now, and of an update that ended
+    // short of confirmations only (the same rules a live session keeps).
+    let (current_source, settling) = match crate::journal::replay(journal.path()) {
+        Ok(Some(r)) => (r.current, r.settling),
+        _ => (resolved_source, None),
+    };
     for step in &steps {
         eprintln!("recover: {step}");
     }
@@ -366,7 +384,7 @@ pub async fn recover(
         known_claims: Default::default(),
         updating: Default::default(),
         update_lock: Default::default(),
-        state: std::sync::Mutex::new(SessionState { source_desc, current_source, last_update, timings: BTreeMap::new() }),
+        state: std::sync::Mutex::new(SessionState { source_desc, current_source, last_update, timings: BTreeMap::new(), settling }),
     };
     let mut report = session.check(true).await;
     report.timings.insert("recover".into(), start.elapsed().as_secs_f64());

@@ -42,6 +42,16 @@ pub enum CommitStatus {
     Stuck { ranks: Vec<(usize, String)> },
 }
 
+impl CommitStatus {
+    /// Stuck on a rank that is dead: the commit can never finish, and its replica is out for good.
+    pub fn has_dead_rank(&self) -> bool {
+        matches!(self, CommitStatus::Stuck { ranks } if ranks.iter().any(|(_, why)| why.starts_with(DEAD)))
+    }
+}
+
+/// How a stuck commit's reason begins for a dead rank.
+const DEAD: &str = "dead: ";
+
 /// Decides where a commit to `target` stands from every rank's view; a rank silent longer than
 /// `limit` makes the commit stuck.
 pub fn commit_status(target: &str, ranks: &[RankView], limit: Duration) -> CommitStatus {
@@ -62,7 +72,7 @@ pub fn commit_status(target: &str, ranks: &[RankView], limit: Duration) -> Commi
                 stuck.push((rank, format!("did not answer for {:.1} s: {why}", for_.as_secs_f64())))
             }
             RankView::Silent { .. } => pending.push(rank),
-            RankView::Dead { why } => stuck.push((rank, format!("dead: {why}"))),
+            RankView::Dead { why } => stuck.push((rank, format!("{DEAD}{why}"))),
         }
     }
     if !stuck.is_empty() {

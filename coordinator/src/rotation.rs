@@ -126,6 +126,21 @@ impl Rotation {
         })
     }
 
+    /// A replica marked dead whose every rank answers again, the same processes (a remote rank
+    /// presumed dead after a long silence that was only stopped, frozen or cut off): no longer
+    /// dead, still out of rotation until a probe passes. Returns whether it was dead.
+    pub fn revive(&self, dp: u32) -> bool {
+        self.with(|r| {
+            let s = &mut r[dp as usize];
+            let was = s.dead;
+            if was {
+                s.dead = false;
+                s.out = Some("its ranks answer again after it was presumed dead".into());
+            }
+            was
+        })
+    }
+
     /// Marks a replica dead (a rank's process is gone): out for good.
     pub fn mark_dead(&self, dp: u32, why: &str) {
         self.with(|r| {

@@ -138,6 +138,7 @@ async fn run_update(
     let (update, from) = {
         let mut st = session.state();
         st.last_update += 1;
+        st.settling = None;
         (st.last_update, st.current_source.clone())
     };
     let plan = crate::update::UpdatePlan {
@@ -150,16 +151,30 @@ async fn run_update(
         roots: &session.roots,
         commit_timeout: session.commit_timeout,
         known: Some(session.known_claims.clone()),
+        expected_version: None,
     };
     let outcome = {
         // Reports meanwhile see replicas on different versions as an update in flight.
         let _in_flight = InFlight::set(&session.updating);
         crate::update::rolling_update(&session.cluster, &session.rotation, &session.config, plan).await
     };
-    if outcome.ok {
+    // What every replica serves after it: the target where the update was applied, or where
+    // every live replica took it (replicas with a dead rank skipped) or has its commit decided
+    // (then once the health loop confirms the last of them). The journal's replay says the same.
+    let target = crate::journal::SourceRecord::Checkpoint { dir: dir.to_path_buf() };
+    let states = session.rotation.states();
+    let reached = states.iter().enumerate().filter(|(_, s)| !s.dead).all(|(dp, _)| {
+        let dp = dp as u32;
+        outcome.versions.get(&dp) == Some(&outcome.new_version) || outcome.pending_commits.get(&dp) == Some(&outcome.new_version)
+    });
+    if outcome.ok || reached {
         let mut st = session.state();
-        st.source_desc = format!("checkpoint {} (rolled out)", outcome.checkpoint);
-        st.current_source = crate::journal::SourceRecord::Checkpoint { dir: dir.to_path_buf() };
+        let unconfirmed: std::collections::BTreeSet<u32> = outcome.pending_commits.keys().copied().collect();
+        if outcome.ok || unconfirmed.is_empty() {
+            st.serves(target);
+        } else {
+            st.settling = Some(crate::journal::Settling { to: target, version: outcome.new_version.clone(), unconfirmed });
+        }
         // From now on the report's timings are the update's: the launch's load no longer
         // describes what serves (each rank's row shows its own staging).
         st.timings = [("update".to_string(), outcome.seconds)].into();

@@ -29,6 +29,21 @@ pub struct SessionState {
     pub current_source: SourceRecord,
     pub last_update: u64,
     pub timings: BTreeMap<String, f64>,
+    /// The last update, ended not applied only because commits it decided are unconfirmed:
+    /// once the health loop confirms the last of them, its target is `current_source` (as the
+    /// journal's replay says: [`crate::journal::Settling`]).
+    pub settling: Option<crate::journal::Settling>,
+}
+
+impl SessionState {
+    /// Every replica serves `source` now.
+    pub fn serves(&mut self, source: SourceRecord) {
+        if let SourceRecord::Checkpoint { dir } = &source {
+            self.source_desc = format!("checkpoint {} (rolled out)", dir.display());
+        }
+        self.current_source = source;
+        self.settling = None;
+    }
 }
 
 pub struct Session {
@@ -232,18 +247,18 @@ struct Readiness {
 impl Readiness {
     /// Makes every rank's grpc.health.v1 readiness follow the rotation (SERVING only while its
     /// replica is in rotation on verified weights), and the coordinator's own: SERVING while any
-    /// replica serves.
+    /// replica serves. The live ranks of a dead replica hear NOT_SERVING too (its dead rank,
+    /// which cannot, answers at once as down, and the others are told again at each refresh).
     async fn sync(&mut self, session: &Session, coordinator: &orchestrator_net::grpc::Health) {
         let states = session.rotation.states();
         let due = states.iter().enumerate().filter_map(|(dp, st)| {
             let (dp, want) = (dp as u32, (st.serving, st.version.clone()));
             let fresh = self.told.get(&dp).is_some_and(|(told, at)| *told == want && at.elapsed() < READINESS_REFRESH);
-            // A dead replica's ranks cannot hear it (and are out for good).
-            (!fresh && !st.dead).then_some((dp, want))
+            (!fresh).then_some((dp, want, st.dead))
         });
-        let told = futures_util::future::join_all(due.map(|(dp, want)| async move {
+        let told = futures_util::future::join_all(due.map(|(dp, want, dead)| async move {
             let ok = session.cluster.set_serving(dp, want.0, &want.1).await;
-            (dp, want, ok)
+            (dp, want, ok || dead)
         }))
         .await;
         for (dp, want, ok) in told {
@@ -271,8 +286,15 @@ pub async fn health_loop(session: Arc<Session>, health: orchestrator_net::grpc::
         readiness.sync(&session, &health).await;
         tokio::time::sleep(limits::HEALTH_INTERVAL).await;
         for dp in 0..cluster.dp {
-            let st = rotation.state(dp);
             let down = cluster.down_in(dp).await;
+            // Dead is for good only where a process is gone: a remote rank presumed dead after a
+            // long silence whose heartbeats come back (the same process: a restarted one is a
+            // stranger to the registry) is alive, and its replica may return after a probe.
+            if down.iter().all(Option::is_none) && rotation.revive(dp) {
+                tracing::warn!(dp, "replica's ranks answer again after it was presumed dead");
+                orchestrator_ops::status!(replica = dp; "replica dp{dp}: every rank answers again after it was presumed dead; probing it");
+            }
+            let st = rotation.state(dp);
             crate::metrics::metrics().set_up(dp, down.iter().filter(|d| d.is_none()).count());
             match health_action(st.serving, st.owned_by_update, &down, st.pending_commit.as_deref()) {
                 HealthAction::Keep => {}
@@ -325,6 +347,14 @@ async fn reinstate_replica(session: Arc<Session>, dp: u32, finish_commit: Option
                 }
                 rotation.set_pending_commit(dp, None);
                 rotation.observed_version(dp, &version);
+                // The last commit an update left unconfirmed: its target is what every replica
+                // serves now.
+                let mut st = session.state();
+                if let Some(done) = st.settling.as_mut().is_some_and(|s| s.confirm(dp, &version)).then(|| st.settling.take()).flatten() {
+                    orchestrator_ops::status!(version = done.version.as_str(); "every replica serves {} now", done.version);
+                    st.serves(done.to);
+                }
+                drop(st);
                 orchestrator_ops::status!(replica = dp, version = version.as_str(); "replica dp{dp}: every rank confirmed the decided commit to {version}");
             }
             other => {

@@ -54,6 +54,11 @@ pub struct UpdatePlan<'a> {
     /// The claims this coordinator made on checkpoints it hashed ([`KnownClaims`]); `None`
     /// hashes the new checkpoint whatever it is.
     pub known: Option<Arc<KnownClaims>>,
+    /// The version the checkpoint must hold, where the update must roll out one version and no
+    /// other (a recovery resolving an interrupted update: the version that update was rolling
+    /// out, or the one a rollback returns to): refused before any replica is touched when the
+    /// directory now holds another (rewritten in place since).
+    pub expected_version: Option<&'a str>,
 }
 
 /// Where an update is journaled, and as what.
@@ -358,6 +363,9 @@ pub enum UpdateFailureKind {
     /// Refused: the checkpoint failed validation (unreadable, another geometry or format, a
     /// value that is not finite, a path outside the allowed roots).
     InvalidCheckpoint,
+    /// Refused: the checkpoint holds another version than the one the update must roll out (a
+    /// recovery's update, whose directory was rewritten since the update it resolves began).
+    ChangedCheckpoint,
     /// The state journal could not be written.
     Journal,
     /// The coordinator failed inside (a task that panicked).
@@ -555,7 +563,7 @@ pub async fn rolling_update(cluster: &Cluster, rotation: &Rotation, running: &Mo
 }
 
 async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, plan: UpdatePlan<'_>) -> UpdateOutcome {
-    let UpdatePlan { dir, probe, max_unavailable, max_staging, replicas, journal, roots, commit_timeout, known } = plan;
+    let UpdatePlan { dir, probe, max_unavailable, max_staging, replicas, journal, roots, commit_timeout, known, expected_version } = plan;
     let start = Instant::now();
     let mut steps = Vec::new();
     let mut pending_commits = BTreeMap::new();
@@ -603,6 +611,17 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             return finish(String::new(), vec![why], pending_commits, Some(failure));
         }
     };
+    if let Some(want) = expected_version
+        && new_version != want
+    {
+        let why = format!(
+            "refused before touching any replica: {} now holds version {new_version}, not {want}, the version this update must roll \
+             out (the checkpoint was rewritten since)",
+            dir.display()
+        );
+        let failure = UpdateFailure::refused(UpdateFailureKind::ChangedCheckpoint, why.clone());
+        return finish(new_version, vec![why], pending_commits, Some(failure));
+    }
     steps.push(format!(
         "validated {} (version {new_version}{}) against the running plan in {:.2} s",
         dir.display(),
@@ -992,9 +1011,9 @@ impl Roll<'_> {
                         "replica dp{dp}: {detail}; {drained}, swapped to {new_version} in {commit_s:.2} s, probed back in {reinstate_s:.2} s{back}"
                     ));
                 }
-                CommitStatus::Stuck { ranks } => {
+                CommitStatus::Stuck { ref ranks } => {
                     let labels: Vec<String> = ranks.iter().map(|(tp, why)| format!("rank dp{dp}/tp{tp} {why}")).collect();
-                    let dead = ranks.iter().any(|(_, why)| why.starts_with("dead"));
+                    let dead = status.has_dead_rank();
                     let why = format!("commit to {new_version} decided, not confirmed by every rank: {}", labels.join("; "));
                     if dead {
                         rotation.mark_dead(dp, &why);

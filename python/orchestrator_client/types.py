@@ -116,10 +116,10 @@ class Report:
 class UpdateFailure:
     """Why an update did not finish with every replica on the new version (`update.failure`).
 
-    `kind` is one of `pending_commit`, `invalid_checkpoint`, `journal`, `internal` (refusals:
-    `refused` is true, nothing was touched), `staged_rank_unreachable`, `staged_version`,
-    `replica_digests`, `round_trip`, `probe_tolerance`, `replica_y`, `unhealthy_at_decision`,
-    `commit_unconfirmed`, `ranks_dead`; `rank` names the rank whose check failed ("dp0/tp1"),
+    `kind` is one of `pending_commit`, `invalid_checkpoint`, `changed_checkpoint`, `journal`,
+    `internal` (refusals: `refused` is true, nothing was touched), `staged_rank_unreachable`,
+    `staged_version`, `replica_digests`, `round_trip`, `probe_tolerance`, `replica_y`,
+    `unhealthy_at_decision`, `commit_unconfirmed`, `ranks_dead`; `rank` names the rank whose check failed ("dp0/tp1"),
     `round_trip` a staged round trip's failures as (kind, tensor) pairs."""
 
     kind: str

@@ -297,6 +297,19 @@ pub fn assert_no_mixed_group(report: &serde_json::Value) {
     }
 }
 
+/// Sends `sig` (`KILL`, `STOP`, `CONT`...) to process `pid`.
+pub fn signal(pid: u64, sig: &str) {
+    let ok = Command::new("kill").args([&format!("-{sig}"), &pid.to_string()]).status().unwrap();
+    assert!(ok.success(), "kill -{sig} {pid}");
+}
+
+/// The pid of worker (dp, tp), from the launch record of the journal in `state`.
+pub fn worker_pid(state: &std::path::Path, dp: u64, tp: u64) -> u64 {
+    let events = journal(state);
+    let workers = events[0]["workers"].as_array().unwrap();
+    workers.iter().find(|w| w["dp"] == dp && w["tp"] == tp).unwrap()["pid"].as_u64().unwrap()
+}
+
 /// Every rank's checkpoint version in a report (`--json`), in report order.
 pub fn versions(report: &serde_json::Value) -> Vec<String> {
     report["ranks"].as_array().unwrap().iter().map(|r| r["checkpoint_version"].as_str().unwrap().to_string()).collect()

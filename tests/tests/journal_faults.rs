@@ -13,7 +13,9 @@ use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
-use orchestrator_e2e::{Served, assert_no_mixed_group, copy_checkpoint, journal, rank_versions, run, stderr, stdout, synth_tiny};
+use orchestrator_e2e::{
+    Served, assert_no_mixed_group, copy_checkpoint, journal, rank_versions, run, signal, stderr, stdout, synth_tiny, worker_pid,
+};
 use serde_json::Value;
 
 /// A TP 2 x DP 2 cluster's two checkpoints and what a fresh launch of each holds.
@@ -27,7 +29,8 @@ struct Fixture {
     fresh: BTreeMap<String, BTreeMap<(u64, u64), String>>,
     /// The journal lines an update from A to B writes: `first..=last`.
     lines: std::ops::RangeInclusive<u64>,
-    /// The line recording dp0's commit in that update.
+    /// The lines recording dp0's commit decision, and its commit, in that update.
+    dp0_decided: u64,
     dp0_committed: u64,
     /// More arguments for every launch, and for every update.
     launch_args: &'static [&'static str],
@@ -71,11 +74,12 @@ impl Fixture {
         assert_eq!(update["ok"], true, "{update:#}");
         let events = journal(&state);
         let seqs: Vec<u64> = events.iter().filter(|e| e["update"] == 1).map(|e| e["seq"].as_u64().unwrap()).collect();
-        let dp0_committed = events.iter().find(|e| e["dp"] == 0 && e["step"] == "committed").unwrap()["seq"].as_u64().unwrap();
+        let step = |name: &str| events.iter().find(|e| e["dp"] == 0 && e["step"] == name).unwrap()["seq"].as_u64().unwrap();
+        let (dp0_decided, dp0_committed) = (step("decided"), step("committed"));
         drop(cluster);
         let lines = seqs[0]..=*seqs.last().unwrap();
         assert!(lines.clone().count() >= 8, "an update of two replicas writes a begin, four steps each and an end: {seqs:?}");
-        Self { root, a, b, version_a, version_b, fresh, lines, dp0_committed, launch_args, update_args }
+        Self { root, a, b, version_a, version_b, fresh, lines, dp0_decided, dp0_committed, launch_args, update_args }
     }
 
     /// A served cluster on A journaling to a fresh state directory, with `fault`.
@@ -349,4 +353,52 @@ fn a_recovery_whose_update_is_refused_closes_the_interrupted_one() {
     let again = Served::recover(&state, &[]);
     let after = f.assert_whole(&again.report(), "recovered again");
     assert!(after.iter().all(|v| *v == f.version_b), "{after:?}");
+}
+
+/// A recovery finishes the version the interrupted update was rolling out, never what its
+/// directory holds by then: the checkpoint rewritten in place between the kill and `recover`
+/// (another version) refuses the resolving update before it touches a replica, and the
+/// interrupted update is closed as not applied (dp0's decided commit to B finished, dp1 left on
+/// A). Before, dp1 was updated to the rewritten checkpoint: a version no replica had verified
+/// against B, under a journal that said B was rolled out.
+#[test]
+fn a_recovery_refuses_a_checkpoint_rewritten_since_the_update_it_resolves() {
+    let f = Fixture::new();
+    let moving = f.root.path().join("B-rewritten");
+    copy_checkpoint(&f.b, &moving, |_| false);
+    let state = f.update_to_killed_by(&moving, &format!("crash-before:{}", f.dp0_committed));
+    std::fs::remove_dir_all(&moving).unwrap();
+    synth_tiny(&moving, "3");
+    let recovered = Served::recover(&state, &[]);
+    let by_replica = f.assert_whole(&recovered.report(), "recovered");
+    assert_eq!(by_replica, [f.version_b.clone(), f.version_a.clone()]);
+    let events = journal(&state);
+    assert_every_update_closed(&events, "recovered");
+    let ended = events.iter().rev().find(|e| e["event"] == "update_end").unwrap();
+    assert_eq!(ended["ok"], false, "{events:#?}");
+    f.assert_serves_and_updates(&recovered, &by_replica, "after a recovery refused a rewritten checkpoint");
+}
+
+/// A decided commit that a dead rank can never confirm does not hold the rest of the cluster
+/// back: `recover` finishes it on dp0's live rank, marks dp0 dead (out for good, as a live
+/// update does) and finishes the interrupted update on dp1. Before, dp0's commit stayed
+/// pending on a replica not marked dead, which refused the resolving update, and dp1 stayed on
+/// A.
+#[test]
+fn a_recovery_is_not_held_back_by_a_commit_a_dead_rank_cannot_confirm() {
+    let f = Fixture::new();
+    let state = f.update_killed_by(&format!("crash-after:{}", f.dp0_decided));
+    signal(worker_pid(&state, 0, 1), "KILL");
+    let recovered = Served::recover(&state, &[]);
+    let report = recovered.report();
+    assert_no_mixed_group(&report);
+    let versions = rank_versions(&report);
+    assert_eq!(
+        versions.iter().filter(|(dp, _, _)| *dp == 1).map(|(_, _, v)| v.as_str()).collect::<Vec<_>>(),
+        [f.version_b.as_str(), f.version_b.as_str()],
+        "{report:#}"
+    );
+    assert_eq!(report["replicas"][0]["dead"], true, "{report:#}");
+    assert_eq!(report["replicas"][1]["serving"], true, "{report:#}");
+    assert_every_update_closed(&journal(&state), "recovered");
 }

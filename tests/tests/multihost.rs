@@ -71,7 +71,10 @@ fn workers_started_apart_join_verify_and_follow_rotation() {
     for r in 0..4u32 {
         let env = slurm_env(r, 4, if r < 2 { "node-a" } else { "node-b" });
         let log = tmp.path().join(format!("w{r}.log"));
-        c.worker(&[], &env_refs(&env), &["--rank", "auto", "--allow-root", root.to_str().unwrap()], &log);
+        // A grace long enough to outlive the stop below (a worker whose coordinator is silent
+        // longer stops on its own).
+        let args = ["--rank", "auto", "--allow-root", root.to_str().unwrap(), "--coordinator-grace", "60"];
+        c.worker(&[], &env_refs(&env), &args, &log);
     }
     c.wait_serving(Duration::from_secs(60));
     assert_eq!(c.health(&c.url, "", "10"), "SERVING");
@@ -104,8 +107,18 @@ fn workers_started_apart_join_verify_and_follow_rotation() {
     assert!(out.status.success(), "{}{}", orchestrator_e2e::stdout(&out), stderr(&out));
     assert_eq!(c.health(&rank0, "", "10"), "SERVING", "rank 0 is ready again on the verified new version");
 
-    // Kill dp1/tp1 (node-b): named by rank and host; its peer leaves readiness; dp0 serves on.
+    // Stop dp1/tp1 (node-b) past the silence after which a remote rank is presumed dead (12 s),
+    // then let it go on: its replica, marked dead meanwhile, serves again once its probe passes
+    // (before, dead was for good: the same processes answering again stayed out, and updates
+    // skipped them).
     let victim = rank(&report, 1, 1)["pid"].as_u64().unwrap();
+    let replica = |r: &Value| (r["replicas"][1]["serving"].as_bool().unwrap(), r["replicas"][1]["dead"].as_bool().unwrap());
+    assert!(std::process::Command::new("kill").args(["-STOP", &victim.to_string()]).status().unwrap().success());
+    eventually(Duration::from_secs(40), "dp1 presumed dead", || (replica(&c.report()) == (false, true)).then_some(()));
+    assert!(std::process::Command::new("kill").args(["-CONT", &victim.to_string()]).status().unwrap().success());
+    eventually(Duration::from_secs(30), "dp1 back in rotation", || (replica(&c.report()) == (true, false)).then_some(()));
+
+    // Kill dp1/tp1 (node-b): named by rank and host; its peer leaves readiness; dp0 serves on.
     let peer = rank(&report, 1, 0)["address"].as_str().unwrap().to_string();
     assert!(std::process::Command::new("kill").args(["-KILL", &victim.to_string()]).status().unwrap().success());
     let report = eventually(Duration::from_secs(30), "the killed rank in the report", || {

@@ -5,25 +5,13 @@
 //! comes back after a passing probe; a dead one stays out and the rest serve).
 
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use orchestrator_e2e::{
-    Served, assert_no_mixed_group, has_step, journal, rank_versions, stderr, stdout, synth_tiny as synth, wait_for_journal,
+    Served, assert_no_mixed_group, has_step, journal, rank_versions, signal, stderr, stdout, synth_tiny as synth, wait_for_journal,
+    worker_pid,
 };
 use serde_json::Value;
-
-fn signal(pid: u64, sig: &str) {
-    let ok = Command::new("kill").args([&format!("-{sig}"), &pid.to_string()]).status().unwrap();
-    assert!(ok.success(), "kill -{sig} {pid}");
-}
-
-/// The pid of worker (dp, tp), from the journal's launch record.
-fn worker_pid(state: &Path, dp: u64, tp: u64) -> u64 {
-    let events = journal(state);
-    let workers = events[0]["workers"].as_array().unwrap();
-    workers.iter().find(|w| w["dp"] == dp && w["tp"] == tp).unwrap()["pid"].as_u64().unwrap()
-}
 
 /// Polls the report until `ready` holds (panics after `limit`).
 fn wait_for_report(cluster: &Served, limit: Duration, ready: impl Fn(&Value) -> bool) -> Value {
@@ -249,6 +237,18 @@ fn a_dead_replica_leaves_rotation_and_the_report_shows_the_rest() {
     assert_eq!(alive["checkpoint_version"], version_a.as_str(), "{alive:#}");
     assert_eq!(report["replicas"][0]["serving"], false);
     assert_eq!(report["replicas"][0]["dead"], true);
+    // Readiness follows: the dead replica's live rank says NOT_SERVING (before, it stayed
+    // SERVING for good: a dead replica's ranks were never told), dp1's ranks SERVING.
+    let readiness = |r: &Value| {
+        let o = orchestrator_e2e::run("orchestrator", &["health", "--address", r["address"].as_str().unwrap(), "--wait", "0"]);
+        stdout(&o).split_whitespace().next().unwrap_or("").to_string()
+    };
+    orchestrator_e2e::eventually(Duration::from_secs(10), "dp0's live rank NOT_SERVING", || {
+        (readiness(alive) == "NOT_SERVING").then_some(())
+    });
+    for r in ranks.iter().filter(|r| r["dp"] == 1) {
+        assert_eq!(readiness(r), "SERVING", "{r:#}");
+    }
 }
 
 /// A rank stalled at the commit decision for longer than `--commit-timeout`: the update reports
@@ -309,6 +309,30 @@ fn a_decided_commit_to_a_rank_hung_in_the_call_is_driven_again_until_it_answers(
     assert!(!has_step(&journal(&state), 0, "aborted"), "a decided commit is never aborted: {:#?}", journal(&state));
     // No signal, no restart: the loop drives the commit again and the rank answers it.
     dp0_heals_onto(&cluster, &state, &version_b, &version_a);
+}
+
+/// An update whose last replica's commit hangs on one rank past `--commit-timeout` ends not
+/// applied with every replica committed (dp0) or decided (dp1); once the health loop confirms the
+/// last commit, every replica serves B and so does the cluster's account of it: the report names B
+/// as its source, and a coordinator restarted from the journal says B too (before, both kept A,
+/// the next update journaled A as what it moved from, and a `recover --rollback` of it went
+/// back to A, two versions back).
+#[test]
+fn an_update_short_only_of_a_confirmation_settles_on_its_target_once_confirmed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let (mut cluster, _, b) = start_with(tmp.path(), &state, &["--commit-timeout", "2", "--inject-fault", "3:hung-commit"]);
+    let o = cluster.cmd("update", &["--checkpoint", &b, "--json"]);
+    let out: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(&o), stderr(&o)));
+    assert_eq!(out["update"]["failure"]["kind"], "commit_unconfirmed", "{out:#}");
+    assert!(!out["report"]["source"].as_str().unwrap().contains(b.as_str()), "not yet: {out:#}");
+    let healed = wait_for_report(&cluster, Duration::from_secs(30), |r| serving(r, 0) && serving(r, 1));
+    assert_no_mixed_group(&healed);
+    assert!(healed["source"].as_str().unwrap().contains(b.as_str()), "{healed:#}");
+    cluster.kill_coordinator();
+    let recovered = Served::recover(&state, &[]);
+    let report = recovered.report();
+    assert!(report["source"].as_str().unwrap().contains(b.as_str()), "{report:#}");
 }
 
 /// Waits until dp0, out with its commit to `version_b` pending, serves again: both its ranks on
