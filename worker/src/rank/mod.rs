@@ -356,8 +356,6 @@ impl Rank {
                 }));
             };
             let backend = &*backend;
-            // A dump's failure, written once the loaded weights are in place (it does not undo them).
-            let mut dumped = Ok(());
             let result = (|| -> Result<(RankWeights<AnyBackend>, Option<crate::roundtrip::RoundTrip>), RankError> {
                 let loader = RankLoader::new(backend, source.config(), tp, rank, rule).map_err(|e| RankError::LoadPlan(Box::new(e)))?;
                 if shadow {
@@ -387,7 +385,15 @@ impl Rank {
                 }
                 // The active weights' buffers are reloaded in place, unless a probe or report still
                 // reads them (it finds them gone when it answers): then into fresh ones.
-                let previous = lock(&state).weights.take();
+                // Taken only while this load is still the latest: a commit or rollback that came
+                // since holds weights this load must not reload over.
+                let previous = {
+                    let mut st = lock(&state);
+                    if st.load_epoch != epoch {
+                        return Err(RankError::LoadSuperseded);
+                    }
+                    st.weights.take()
+                };
                 let generation = previous.as_ref().map_or(0, |w| w.generation);
                 let mut w = match previous.and_then(unshared) {
                     Some(old) => loader.reload_with_progress(old, &source, &progress),
@@ -404,9 +410,6 @@ impl Rank {
                 if let Some(f) = injected {
                     inject_on(backend, &mut w, f).map_err(RankError::FaultInjection)?;
                     w.refresh_kernel_digests(backend).map_err(|e| RankError::Digests(Box::new(e)))?;
-                }
-                if let Some(dir) = &dump_dir {
-                    dumped = crate::dump::dump_rank(backend, &w, dir).map(drop).map_err(RankError::Dump);
                 }
                 Ok((w, None))
             })();
@@ -429,9 +432,7 @@ impl Rank {
                     };
                     crate::metrics::worker().loaded(dp_rank, rank, path, seconds, w.source_bytes());
                     tracing::info!(tp_rank = rank, replica = dp_rank, version = %version, path, seconds, bytes = w.source_bytes(), "loaded");
-                    if !shadow {
-                        crate::metrics::worker().serving(dp_rank, rank, &version);
-                    }
+                    let mut dump_from = None;
                     let mut st = lock(&state);
                     if shadow {
                         if st.stage_epoch != epoch {
@@ -446,7 +447,10 @@ impl Rank {
                             let _ = tx.blocking_send(Err(RankError::LoadSuperseded));
                             return;
                         }
-                        st.weights = Some(Arc::new(w));
+                        let installed = Arc::new(w);
+                        st.weights = Some(installed.clone());
+                        dump_from = Some(installed);
+                        crate::metrics::worker().serving(dp_rank, rank, &version);
                         st.committed_round_trip = None;
                         st.committed_probe = None;
                         st.load_seconds = seconds;
@@ -459,8 +463,12 @@ impl Rank {
                         }
                     }
                     drop(st);
-                    if let Err(e) = dumped {
-                        let _ = tx.blocking_send(Err(e));
+                    // The dump of the weights now in place (a failure does not undo them; a
+                    // load that did not land dumps nothing).
+                    if let (Some(w), Some(dir)) = (dump_from, &dump_dir)
+                        && let Err(e) = crate::dump::dump_rank(backend, &w, dir)
+                    {
+                        let _ = tx.blocking_send(Err(RankError::Dump(e)));
                         return;
                     }
                     let _ = tx.blocking_send(Ok(pb::LoadProgress {
