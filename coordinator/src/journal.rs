@@ -33,6 +33,9 @@ pub enum JournalError {
     /// Another coordinator holds the state directory (it is alive): nothing was changed.
     #[error("state directory {dir} is held by a running coordinator ({holder}); nothing was changed")]
     Locked { dir: PathBuf, holder: String },
+    /// An event replay would refuse to find after what the journal holds, refused unwritten.
+    #[error("{file}: refused unwritten: {message}")]
+    Refused { file: PathBuf, message: String },
     /// An update's begin that cannot follow what the journal holds ([`check_begin`]): refused
     /// unwritten by [`Journal::record`] (no `line`), or found at `line` by [`replay`].
     #[error("{}{}: {refused}", .file.display(), .line.map(|l| format!(":{l}")).unwrap_or_default())]
@@ -457,8 +460,10 @@ struct Appender {
     owed: Option<Event>,
     /// Debugging: the line to fail at (`--journal-fault`).
     fault: Option<JournalFault>,
-    /// The update begun and not ended in the file (as replay would find it).
-    open: Option<u64>,
+    /// What the file holds, as replay would find it (`None` before the launch record): each
+    /// event is taken by it before it is written, and refused unwritten where replay would
+    /// refuse its line.
+    state: Option<Replayed>,
     /// Tests: how many of the next writes fail as a full disk would.
     #[cfg(test)]
     fail_writes: u32,
@@ -473,7 +478,7 @@ impl Appender {
             broken: None,
             owed: None,
             fault: None,
-            open: None,
+            state: None,
             #[cfg(test)]
             fail_writes: 0,
         }
@@ -538,7 +543,7 @@ impl Journal {
             file.set_len(replayed.complete_bytes).map_err(io)?;
         }
         let mut appender = Appender::new(file, replayed.lines, replayed.complete_bytes);
-        appender.open = replayed.pending.as_ref().map(|p| p.update);
+        appender.state = Some(replayed.clone());
         Ok((Self { path, file: Mutex::new(appender), _lock: lock }, replayed))
     }
 
@@ -548,7 +553,13 @@ impl Journal {
 
     /// The update the journal holds begun and not ended (what a recovery would resolve).
     pub fn open_update(&self) -> Option<u64> {
-        self.file.lock().unwrap_or_else(|p| p.into_inner()).open
+        self.file.lock().unwrap_or_else(|p| p.into_inner()).state.as_ref().and_then(|s| s.pending.as_ref()).map(|p| p.update)
+    }
+
+    /// The source every replica serves by the journal's account, and its version (what a
+    /// recovery would serve, and roll an interrupted update back to).
+    pub fn serving(&self) -> Option<(SourceRecord, String)> {
+        self.file.lock().unwrap_or_else(|p| p.into_inner()).state.as_ref().map(|s| (s.current.clone(), s.current_version.clone()))
     }
 
     /// Debugging: fail at one line from now on (see [`JournalFault`]).
@@ -566,25 +577,41 @@ impl Journal {
         let mut a = self.file.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(owed) = a.owed.take() {
             let superseded = matches!((owed.closes_update(), event.closes_update()), (Some(o), Some(e)) if o == e);
-            if !superseded && let Err(e) = self.write(&mut a, &owed) {
+            if !superseded && let Err(e) = self.append(&mut a, &owed) {
                 a.owed = Some(owed);
                 return Err(e);
             }
         }
-        // A begin replay would refuse (and with it the journal from that line on, and every
-        // `recover`) is refused unwritten.
-        if let Event::UpdateBegin { update, resumes, .. } = &event {
-            check_begin(a.open, *update, *resumes).map_err(|refused| JournalError::Begin {
-                file: self.path.clone(),
-                line: None,
-                refused,
-            })?;
-        }
-        let written = self.write(&mut a, &event);
-        if written.is_err() {
-            a.owed = event.closes();
-        }
-        written
+        self.append(&mut a, &event).inspect_err(|e| {
+            // A line refused by the rules was never going to be written; one whose write failed
+            // leaves the update it closes owed.
+            if !matches!(e, JournalError::Begin { .. } | JournalError::Refused { .. }) {
+                a.owed = event.closes();
+            }
+        })
+    }
+
+    /// Writes `event` where replay would take its line (else refuses it unwritten: replay would
+    /// refuse the journal from that line on, and with it every `recover`), and keeps what the
+    /// file then holds.
+    fn append(&self, a: &mut Appender, event: &Event) -> Result<(), JournalError> {
+        let next = match (&a.state, event) {
+            (_, Event::Launched(plan)) => Replayed::launched(plan.clone()),
+            (Some(held), _) => {
+                let mut next = held.clone();
+                next.apply(event.clone()).map_err(|refusal| match refusal {
+                    Refusal::Begin(refused) => JournalError::Begin { file: self.path.clone(), line: None, refused },
+                    Refusal::Other(message) => JournalError::Refused { file: self.path.clone(), message },
+                })?;
+                next
+            }
+            (None, _) => {
+                return Err(JournalError::Refused { file: self.path.clone(), message: "an event before the launch record".into() });
+            }
+        };
+        self.write(a, event)?;
+        a.state = Some(next);
+        Ok(())
     }
 
     fn write(&self, a: &mut Appender, event: &Event) -> Result<(), JournalError> {
@@ -618,11 +645,6 @@ impl Journal {
             Ok(()) => {
                 a.seq = seq;
                 a.len += text.len() as u64;
-                match event {
-                    Event::UpdateBegin { update, .. } => a.open = Some(*update),
-                    Event::UpdateEnd { update, .. } if a.open == Some(*update) => a.open = None,
-                    _ => {}
-                }
                 if fault == Some(JournalFaultKind::CrashAfter) {
                     die();
                 }
@@ -645,6 +667,111 @@ impl Journal {
             tracing::error!("journal {}: {e}", self.path.display());
             eprintln!("warning: could not write the journal {}: {e}", self.path.display());
         }
+    }
+}
+
+/// Why an event cannot follow what a journal holds.
+#[derive(Debug)]
+enum Refusal {
+    Begin(BeginRefused),
+    Other(String),
+}
+
+impl Replayed {
+    /// What a journal holds right after its launch record.
+    fn launched(plan: PlanRecord) -> Self {
+        Self {
+            current: plan.source.clone(),
+            current_version: plan.version.clone(),
+            plan,
+            pending: None,
+            shut_down: false,
+            last_update: 0,
+            decided: BTreeMap::new(),
+            settling: None,
+            torn_tail: false,
+            lines: 0,
+            complete_bytes: 0,
+        }
+    }
+
+    /// Takes one event after the launch record, as replay reads it and as the writer keeps it
+    /// (the one place each rule is written: the writer refuses, unwritten, what this refuses).
+    fn apply(&mut self, event: Event) -> Result<(), Refusal> {
+        let s = self;
+        match event {
+            Event::Launched(_) => return Err(Refusal::Other("a second launch record".into())),
+            Event::UpdateBegin { update, from, to, new_version, max_unavailable, resumes } => {
+                // A resumed update is closed here as its own end (not applied) would close it.
+                check_begin(s.pending.as_ref().map(|p| p.update), update, resumes).map_err(Refusal::Begin)?;
+                s.last_update = s.last_update.max(update);
+                s.pending = Some(PendingUpdate { update, from, to, new_version, max_unavailable, steps: BTreeMap::new() });
+                s.settling = None;
+            }
+            Event::UpdateStep { update, dp, step } => match &mut s.pending {
+                Some(p) if p.update == update && dp < s.plan.dp => {
+                    if step == Step::Aborted && p.steps.get(&dp) == Some(&Step::Decided) {
+                        return Err(Refusal::Other(format!("replica dp{dp} aborted after its commit was decided")));
+                    }
+                    p.steps.insert(dp, step);
+                    match step {
+                        Step::Decided => {
+                            s.decided.insert(dp, p.new_version.clone());
+                        }
+                        Step::Committed | Step::RolledBack => {
+                            s.decided.remove(&dp);
+                        }
+                        Step::Staging | Step::Verified | Step::Aborted => {}
+                    }
+                }
+                _ => return Err(Refusal::Other(format!("a step of update {update} (replica dp{dp}) outside that update"))),
+            },
+            Event::UpdateEnd { update, ok, .. } => match s.pending.take() {
+                Some(p) if p.update == update => {
+                    if ok {
+                        s.current = p.to;
+                        s.current_version = p.new_version;
+                    } else {
+                        s.settling = Settling::after(p.to, p.new_version, &p.steps);
+                        // Every commit it decided was confirmed before it ended.
+                        if s.settling.as_ref().is_some_and(|st| st.unconfirmed.is_empty())
+                            && let Some(done) = s.settling.take()
+                        {
+                            s.current = done.to;
+                            s.current_version = done.version;
+                        }
+                    }
+                }
+                _ => return Err(Refusal::Other(format!("update {update} ends without having begun"))),
+            },
+            Event::CommitConfirmed { dp, version } => {
+                if s.decided.get(&dp) != Some(&version) {
+                    return Err(Refusal::Other(format!("replica dp{dp} confirms a commit to {version} that was not decided")));
+                }
+                s.decided.remove(&dp);
+                // Confirmed while its update is still open (the update let the replica go with
+                // its commit unconfirmed, and the health loop finished it): the replica is
+                // committed in that update.
+                if let Some(p) = s.pending.as_mut()
+                    && p.new_version == version
+                    && p.steps.get(&dp) == Some(&Step::Decided)
+                {
+                    p.steps.insert(dp, Step::Committed);
+                }
+                // The last confirmation of an update that ended only short of them: its
+                // target is what every replica serves.
+                if let Some(settling) = s.settling.as_mut()
+                    && settling.confirm(dp, &version)
+                    && let Some(done) = s.settling.take()
+                {
+                    s.current = done.to;
+                    s.current_version = done.version;
+                }
+            }
+            Event::Recovered { .. } => s.shut_down = false,
+            Event::Shutdown => s.shut_down = true,
+        }
+        Ok(())
     }
 }
 
@@ -675,90 +802,13 @@ pub fn replay(path: &Path) -> Result<Option<Replayed>, JournalError> {
             return Err(corrupt(format!("sequence number {} where {} was expected", parsed.seq, i + 1)));
         }
         match parsed.event {
-            Event::Launched(plan) => {
-                state = Some(Replayed {
-                    current: plan.source.clone(),
-                    current_version: plan.version.clone(),
-                    plan,
-                    pending: None,
-                    shut_down: false,
-                    last_update: 0,
-                    decided: BTreeMap::new(),
-                    settling: None,
-                    torn_tail: false,
-                    lines: 0,
-                    complete_bytes: 0,
-                });
-            }
+            Event::Launched(plan) => state = Some(Replayed::launched(plan)),
             other => {
                 let s = state.as_mut().ok_or_else(|| corrupt("an event before the launch record".into()))?;
-                match other {
-                    Event::Launched(_) => unreachable!("handled above"),
-                    Event::UpdateBegin { update, from, to, new_version, max_unavailable, resumes } => {
-                        // A resumed update is closed here as its own end (not applied) would close it.
-                        check_begin(s.pending.as_ref().map(|p| p.update), update, resumes).map_err(|refused| JournalError::Begin {
-                            file: path.to_path_buf(),
-                            line: Some(i + 1),
-                            refused,
-                        })?;
-                        s.last_update = s.last_update.max(update);
-                        s.pending = Some(PendingUpdate { update, from, to, new_version, max_unavailable, steps: BTreeMap::new() });
-                        s.settling = None;
-                    }
-                    Event::UpdateStep { update, dp, step } => match &mut s.pending {
-                        Some(p) if p.update == update && dp < s.plan.dp => {
-                            if step == Step::Aborted && p.steps.get(&dp) == Some(&Step::Decided) {
-                                return Err(corrupt(format!("replica dp{dp} aborted after its commit was decided")));
-                            }
-                            p.steps.insert(dp, step);
-                            match step {
-                                Step::Decided => {
-                                    s.decided.insert(dp, p.new_version.clone());
-                                }
-                                Step::Committed | Step::RolledBack => {
-                                    s.decided.remove(&dp);
-                                }
-                                Step::Staging | Step::Verified | Step::Aborted => {}
-                            }
-                        }
-                        _ => return Err(corrupt(format!("a step of update {update} (replica dp{dp}) outside that update"))),
-                    },
-                    Event::UpdateEnd { update, ok, .. } => match s.pending.take() {
-                        Some(p) if p.update == update => {
-                            if ok {
-                                s.current = p.to;
-                                s.current_version = p.new_version;
-                            } else {
-                                s.settling = Settling::after(p.to, p.new_version, &p.steps);
-                                // Every commit it decided was confirmed before it ended.
-                                if s.settling.as_ref().is_some_and(|st| st.unconfirmed.is_empty())
-                                    && let Some(done) = s.settling.take()
-                                {
-                                    s.current = done.to;
-                                    s.current_version = done.version;
-                                }
-                            }
-                        }
-                        _ => return Err(corrupt(format!("update {update} ends without having begun"))),
-                    },
-                    Event::CommitConfirmed { dp, version } => {
-                        if s.decided.get(&dp) != Some(&version) {
-                            return Err(corrupt(format!("replica dp{dp} confirms a commit to {version} that was not decided")));
-                        }
-                        s.decided.remove(&dp);
-                        // The last confirmation of an update that ended only short of them: its
-                        // target is what every replica serves.
-                        if let Some(settling) = s.settling.as_mut()
-                            && settling.confirm(dp, &version)
-                            && let Some(done) = s.settling.take()
-                        {
-                            s.current = done.to;
-                            s.current_version = done.version;
-                        }
-                    }
-                    Event::Recovered { .. } => s.shut_down = false,
-                    Event::Shutdown => s.shut_down = true,
-                }
+                s.apply(other).map_err(|e| match e {
+                    Refusal::Begin(refused) => JournalError::Begin { file: path.to_path_buf(), line: Some(i + 1), refused },
+                    Refusal::Other(message) => corrupt(message),
+                })?;
             }
         }
     }
@@ -887,6 +937,22 @@ mod tests {
         // dp1's commit unconfirmed at the end: settling; confirmed after it: the target.
         assert_eq!(run(&both_decided, &[]), ("va".into(), a.clone(), Some(BTreeSet::from([1]))));
         assert_eq!(run(&both_decided, &[confirm(1)]), ("vb".into(), b.clone(), None));
+        // dp0's commit confirmed while the update was still open (it let dp0 go unconfirmed and
+        // the health loop finished it): committed in that update.
+        let late = [through(0, Step::Decided), through(1, Step::Committed)].concat();
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        j.record(Event::Launched(plan())).unwrap();
+        j.record(begin(1)).unwrap();
+        for (i, &(dp, step)) in late.iter().enumerate() {
+            j.record(Event::UpdateStep { update: 1, dp, step }).unwrap();
+            if i == 2 {
+                j.record(confirm(0)).unwrap();
+            }
+        }
+        j.record(Event::UpdateEnd { update: 1, ok: false, note: "short".into() }).unwrap();
+        assert_eq!(j.serving(), Some((b.clone(), "vb".into())), "the writer's account");
+        assert_eq!(replay(j.path()).unwrap().unwrap().current_version, "vb", "replay's");
         // dp1 skipped (a dead rank): every replica reached committed.
         assert_eq!(run(&through(0, Step::Committed), &[]), ("vb".into(), b.clone(), None));
         // dp1 aborted, or never past staging: the version before.
@@ -924,7 +990,9 @@ mod tests {
         assert_eq!((r.pending.as_ref(), r.decided.get(&1).map(String::as_str)), (None, Some("vb")));
         j.record(Event::CommitConfirmed { dp: 1, version: "vb".into() }).unwrap();
         assert!(replay(j.path()).unwrap().unwrap().decided.is_empty());
-        j.record(Event::CommitConfirmed { dp: 0, version: "vb".into() }).unwrap();
+        let e = j.record(Event::CommitConfirmed { dp: 0, version: "vb".into() }).unwrap_err();
+        assert!(matches!(e, JournalError::Refused { .. }), "{e}");
+        plant(j.path(), 12, Event::CommitConfirmed { dp: 0, version: "vb".into() });
         let e = replay(j.path()).unwrap_err();
         assert!(matches!(e, JournalError::Corrupt { line: 12, .. }), "{e}");
 
@@ -934,7 +1002,8 @@ mod tests {
         j.record(Event::Launched(plan())).unwrap();
         j.record(begin(1)).unwrap();
         j.record(Event::UpdateStep { update: 1, dp: 0, step: Step::Decided }).unwrap();
-        j.record(Event::UpdateStep { update: 1, dp: 0, step: Step::Aborted }).unwrap();
+        assert!(matches!(j.record(Event::UpdateStep { update: 1, dp: 0, step: Step::Aborted }), Err(JournalError::Refused { .. })));
+        plant(j.path(), 4, Event::UpdateStep { update: 1, dp: 0, step: Step::Aborted });
         let e = replay(j.path()).unwrap_err();
         assert!(matches!(&e, JournalError::Corrupt { line: 4, message, .. } if message.contains("after its commit was decided")), "{e}");
     }
@@ -998,6 +1067,13 @@ mod tests {
             assert!(matches!(&e, JournalError::Invalid { message, .. } if message.contains(want)), "{e}");
             assert_eq!(std::fs::read(&path).unwrap(), before, "{want}: the journal is untouched");
         }
+    }
+
+    /// Appends `event` to the journal at `path` by hand, as line `seq` (what the writer refuses to
+    /// write, for replay to refuse).
+    fn plant(path: &Path, seq: u64, event: Event) {
+        let mut f = OpenOptions::new().append(true).open(path).unwrap();
+        writeln!(f, "{}", serde_json::to_string(&Line { seq, unix_ms: 0, event }).unwrap()).unwrap();
     }
 
     /// `begin(update)` resuming update `r`.
@@ -1065,9 +1141,7 @@ mod tests {
                         }
                         Err(JournalError::Begin { line: None, refused, .. }) => {
                             assert_eq!(replay(j.path()).unwrap().unwrap().lines, lines, "{case}: unwritten");
-                            let line = Line { seq: lines + 1, unix_ms: 0, event };
-                            let mut f = OpenOptions::new().append(true).open(j.path()).unwrap();
-                            writeln!(f, "{}", serde_json::to_string(&line).unwrap()).unwrap();
+                            plant(j.path(), lines + 1, event);
                             match replay(j.path()) {
                                 Err(JournalError::Begin { line: Some(at), refused: why, .. }) => {
                                     assert_eq!((at as u64, why), (lines + 1, refused), "{case}")
@@ -1094,6 +1168,44 @@ mod tests {
         let mut want = want;
         want.sort();
         assert_eq!(got, want);
+    }
+
+    /// Every event replay would refuse to find after what the journal holds is refused
+    /// unwritten by the writer (the journal stays replayable, and the next event goes on).
+    #[test]
+    fn events_replay_would_refuse_are_refused_unwritten() {
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::create(tmp.path()).unwrap();
+        assert!(matches!(j.record(Event::Recovered { note: "x".into() }), Err(JournalError::Refused { .. })), "before the launch");
+        j.record(Event::Launched(plan())).unwrap();
+        let refused = [
+            Event::UpdateStep { update: 1, dp: 0, step: Step::Staging },
+            Event::UpdateEnd { update: 1, ok: true, note: String::new() },
+            Event::CommitConfirmed { dp: 0, version: "vb".into() },
+        ];
+        for e in refused {
+            let got = j.record(e.clone());
+            assert!(matches!(got, Err(JournalError::Refused { .. })), "{e:?}: {got:?}");
+        }
+        j.record(begin(1)).unwrap();
+        for (dp, step) in [(0, Step::Staging), (0, Step::Verified), (0, Step::Decided)] {
+            j.record(Event::UpdateStep { update: 1, dp, step }).unwrap();
+        }
+        let more = [
+            Event::UpdateStep { update: 1, dp: 0, step: Step::Aborted },
+            Event::UpdateStep { update: 1, dp: 7, step: Step::Staging },
+            Event::UpdateStep { update: 2, dp: 0, step: Step::Staging },
+            Event::CommitConfirmed { dp: 0, version: "vz".into() },
+        ];
+        for e in more {
+            let got = j.record(e.clone());
+            assert!(matches!(got, Err(JournalError::Refused { .. })), "{e:?}: {got:?}");
+        }
+        let r = replay(j.path()).unwrap().unwrap();
+        assert_eq!(r.lines, 5, "nothing refused was written");
+        j.record(Event::UpdateStep { update: 1, dp: 0, step: Step::Committed }).unwrap();
+        j.record(Event::UpdateEnd { update: 1, ok: true, note: String::new() }).unwrap();
+        assert_eq!(replay(j.path()).unwrap().unwrap().current_version, "vb");
     }
 
     /// A begin over an update the journal holds open is refused unwritten (replay would refuse
@@ -1238,7 +1350,8 @@ mod tests {
         std::fs::write(&path, &text).unwrap();
         drop(j);
         let (j, _) = Journal::open(tmp.path()).unwrap();
-        j.record(Event::UpdateStep { update: 9, dp: 0, step: Step::Staging }).unwrap();
+        assert!(matches!(j.record(Event::UpdateStep { update: 9, dp: 0, step: Step::Staging }), Err(JournalError::Refused { .. })));
+        plant(&path, 4, Event::UpdateStep { update: 9, dp: 0, step: Step::Staging });
         assert!(matches!(replay(&path), Err(JournalError::Corrupt { line: 4, .. })));
         assert!(matches!(Journal::open(&tmp.path().join("missing")), Err(JournalError::Io { .. })));
     }

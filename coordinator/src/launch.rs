@@ -299,13 +299,7 @@ pub async fn launch(plan: LaunchPlan, serve: bool, emit_report: impl Fn(&Consist
         known_claims,
         updating: Default::default(),
         update_lock: Default::default(),
-        state: std::sync::Mutex::new(SessionState {
-            source_desc: plan.source_desc.clone(),
-            current_source,
-            last_update: 0,
-            timings,
-            settling: None,
-        }),
+        state: std::sync::Mutex::new(SessionState { source_desc: plan.source_desc.clone(), current_source, last_update: 0, timings }),
     };
     let mut report = session.check(true).await;
     report.timings.insert("total".into(), start.elapsed().as_secs_f64());

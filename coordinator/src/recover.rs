@@ -361,10 +361,7 @@ pub async fn recover(
         resolve(&cluster, &rotation, &journal, &replayed, &config, update_probe, how, &observed, &roots, steps).await?;
     // The journal's account of what every replica serves now, and of an update that ended
     // short of confirmations only (the same rules a live session keeps).
-    let (current_source, settling) = match crate::journal::replay(journal.path()) {
-        Ok(Some(r)) => (r.current, r.settling),
-        _ => (resolved_source, None),
-    };
+    let current_source = journal.serving().map_or(resolved_source, |(source, _)| source);
     for step in &steps {
         eprintln!("recover: {step}");
     }
@@ -384,7 +381,7 @@ pub async fn recover(
         known_claims: Default::default(),
         updating: Default::default(),
         update_lock: Default::default(),
-        state: std::sync::Mutex::new(SessionState { source_desc, current_source, last_update, timings: BTreeMap::new(), settling }),
+        state: std::sync::Mutex::new(SessionState { source_desc, current_source, last_update, timings: BTreeMap::new() }),
     };
     let mut report = session.check(true).await;
     report.timings.insert("recover".into(), start.elapsed().as_secs_f64());

@@ -138,7 +138,6 @@ async fn run_update(
     let (update, from) = {
         let mut st = session.state();
         st.last_update += 1;
-        st.settling = None;
         (st.last_update, st.current_source.clone())
     };
     let plan = crate::update::UpdatePlan {
@@ -158,26 +157,14 @@ async fn run_update(
         let _in_flight = InFlight::set(&session.updating);
         crate::update::rolling_update(&session.cluster, &session.rotation, &session.config, plan).await
     };
-    // What every replica serves after it: the target where the update was applied, or where
-    // every live replica took it (replicas with a dead rank skipped) or has its commit decided
-    // (then once the health loop confirms the last of them). The journal's replay says the same.
-    let target = crate::journal::SourceRecord::Checkpoint { dir: dir.to_path_buf() };
-    let states = session.rotation.states();
-    let reached = states.iter().enumerate().filter(|(_, s)| !s.dead).all(|(dp, _)| {
-        let dp = dp as u32;
-        outcome.versions.get(&dp) == Some(&outcome.new_version) || outcome.pending_commits.get(&dp) == Some(&outcome.new_version)
-    });
-    if outcome.ok || reached {
-        let mut st = session.state();
-        let unconfirmed: std::collections::BTreeSet<u32> = outcome.pending_commits.keys().copied().collect();
-        if outcome.ok || unconfirmed.is_empty() {
-            st.serves(target);
-        } else {
-            st.settling = Some(crate::journal::Settling { to: target, version: outcome.new_version.clone(), unconfirmed });
-        }
+    // What every replica serves after it, by the journal's account: the target where the
+    // update was applied, or where every replica it reached took it (replicas with a dead rank
+    // skipped), or later, once the health loop confirms the last commit it left unconfirmed.
+    let applied = outcome.ok.then(|| crate::journal::SourceRecord::Checkpoint { dir: dir.to_path_buf() });
+    if session.follow_journal(applied) || outcome.ok {
         // From now on the report's timings are the update's: the launch's load no longer
         // describes what serves (each rank's row shows its own staging).
-        st.timings = [("update".to_string(), outcome.seconds)].into();
+        session.state().timings = [("update".to_string(), outcome.seconds)].into();
     }
     // The consistency report after the update (versions included).
     let report = session.check_after_update(true, &outcome.swap_probes).await;

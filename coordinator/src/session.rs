@@ -29,20 +29,35 @@ pub struct SessionState {
     pub current_source: SourceRecord,
     pub last_update: u64,
     pub timings: BTreeMap<String, f64>,
-    /// The last update, ended not applied only because commits it decided are unconfirmed:
-    /// once the health loop confirms the last of them, its target is `current_source` (as the
-    /// journal's replay says: [`crate::journal::Settling`]).
-    pub settling: Option<crate::journal::Settling>,
 }
 
 impl SessionState {
-    /// Every replica serves `source` now.
-    pub fn serves(&mut self, source: SourceRecord) {
+    /// Every replica serves `source` now (nothing changes where it already did). Returns
+    /// whether it changed.
+    pub fn serves(&mut self, source: SourceRecord) -> bool {
+        if source == self.current_source {
+            return false;
+        }
         if let SourceRecord::Checkpoint { dir } = &source {
             self.source_desc = format!("checkpoint {} (rolled out)", dir.display());
         }
         self.current_source = source;
-        self.settling = None;
+        true
+    }
+}
+
+impl Session {
+    /// Follows the journal's account of what every replica serves (its replay's rules, which
+    /// a recovery reads too, kept by the writer line by line): after an update, and after a
+    /// late commit confirmation. Without a journal, or while its update's end is still owed (a
+    /// failed write), `applied` (an update's target, where it was applied) is taken as is.
+    /// Returns whether the source changed.
+    pub fn follow_journal(&self, applied: Option<SourceRecord>) -> bool {
+        let source = match &self.journal {
+            Some(j) if j.open_update().is_none() => j.serving().map(|(source, _)| source),
+            _ => applied,
+        };
+        source.is_some_and(|s| self.state().serves(s))
     }
 }
 
@@ -349,12 +364,9 @@ async fn reinstate_replica(session: Arc<Session>, dp: u32, finish_commit: Option
                 rotation.observed_version(dp, &version);
                 // The last commit an update left unconfirmed: its target is what every replica
                 // serves now.
-                let mut st = session.state();
-                if let Some(done) = st.settling.as_mut().is_some_and(|s| s.confirm(dp, &version)).then(|| st.settling.take()).flatten() {
-                    orchestrator_ops::status!(version = done.version.as_str(); "every replica serves {} now", done.version);
-                    st.serves(done.to);
+                if session.follow_journal(None) {
+                    orchestrator_ops::status!(version = version.as_str(); "every replica serves {version} now");
                 }
-                drop(st);
                 orchestrator_ops::status!(replica = dp, version = version.as_str(); "replica dp{dp}: every rank confirmed the decided commit to {version}");
             }
             other => {

@@ -325,7 +325,6 @@ fn an_update_short_only_of_a_confirmation_settles_on_its_target_once_confirmed()
     let o = cluster.cmd("update", &["--checkpoint", &b, "--json"]);
     let out: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(&o), stderr(&o)));
     assert_eq!(out["update"]["failure"]["kind"], "commit_unconfirmed", "{out:#}");
-    assert!(!out["report"]["source"].as_str().unwrap().contains(b.as_str()), "not yet: {out:#}");
     let healed = wait_for_report(&cluster, Duration::from_secs(30), |r| serving(r, 0) && serving(r, 1));
     assert_no_mixed_group(&healed);
     assert!(healed["source"].as_str().unwrap().contains(b.as_str()), "{healed:#}");
