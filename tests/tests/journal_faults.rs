@@ -190,6 +190,16 @@ impl Fixture {
         state
     }
 
+    /// [`Self::crash_before_dp0_committed`], the update going to a copy of B, which `change`
+    /// then gets (removed, rewritten) before anything recovers; returns the state directory.
+    fn killed_at_dp0_commit_then(&self, change: impl FnOnce(&Path)) -> PathBuf {
+        let target = tempfile::Builder::new().prefix("B-copy").tempdir_in(self.root.path()).unwrap().keep();
+        copy_checkpoint(&self.b, &target, |_| false);
+        let state = self.update_to_killed_by(&target, &format!("crash-before:{}", self.dp0_committed));
+        change(&target);
+        state
+    }
+
     /// The coordinator dies just before it journals dp0's commit (every rank of dp0 has swapped
     /// to B, dp1 has not); returns the state directory.
     fn crash_before_dp0_committed(&self) -> PathBuf {
@@ -340,10 +350,7 @@ fn the_coordinator_killed_at_each_line_of_a_one_batch_update_with_kept_buffers_i
 #[test]
 fn a_recovery_whose_update_is_refused_closes_the_interrupted_one() {
     let f = Fixture::new();
-    let gone = f.root.path().join("B-gone");
-    copy_checkpoint(&f.b, &gone, |_| false);
-    let state = f.update_to_killed_by(&gone, &format!("crash-before:{}", f.dp0_committed));
-    std::fs::remove_dir_all(&gone).unwrap();
+    let state = f.killed_at_dp0_commit_then(|target| std::fs::remove_dir_all(target).unwrap());
     let mut recovered = Served::recover(&state, &[]);
     let by_replica = f.assert_whole(&recovered.report(), "recovered");
     assert_eq!(by_replica, [f.version_b.clone(), f.version_a.clone()]);
@@ -364,11 +371,10 @@ fn a_recovery_whose_update_is_refused_closes_the_interrupted_one() {
 #[test]
 fn a_recovery_refuses_a_checkpoint_rewritten_since_the_update_it_resolves() {
     let f = Fixture::new();
-    let moving = f.root.path().join("B-rewritten");
-    copy_checkpoint(&f.b, &moving, |_| false);
-    let state = f.update_to_killed_by(&moving, &format!("crash-before:{}", f.dp0_committed));
-    std::fs::remove_dir_all(&moving).unwrap();
-    synth_tiny(&moving, "3");
+    let state = f.killed_at_dp0_commit_then(|target| {
+        std::fs::remove_dir_all(target).unwrap();
+        synth_tiny(target, "3");
+    });
     let recovered = Served::recover(&state, &[]);
     let by_replica = f.assert_whole(&recovered.report(), "recovered");
     assert_eq!(by_replica, [f.version_b.clone(), f.version_a.clone()]);

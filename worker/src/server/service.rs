@@ -433,16 +433,26 @@ mod tests {
         assert_eq!(svc.rank.versions(), before, "the rank holds what it held");
     }
 
+    /// `tmp/dumps/run` and `tmp/elsewhere`, made, and a worker reading checkpoints under `tmp`
+    /// whose dump root is `tmp/dumps`.
+    fn with_dump_root(tmp: &std::path::Path) -> (WorkerService, std::path::PathBuf, std::path::PathBuf) {
+        let (dumps, elsewhere) = (tmp.join("dumps"), tmp.join("elsewhere"));
+        std::fs::create_dir_all(dumps.join("run")).unwrap();
+        std::fs::create_dir(&elsewhere).unwrap();
+        let rank =
+            Rank::new(AllowedRoots::new(&[tmp.to_path_buf()]).unwrap(), AnyBackend::Cpu(orchestrator_kernels::CpuBackend), "h".into())
+                .with_dump_root(Some(crate::dump::DumpRoot::open(&dumps).unwrap()));
+        (WorkerService::serving(Arc::new(Notify::new()), rank), dumps, elsewhere)
+    }
+
     /// An assignment's dump directory must resolve, symlinks and all, under the worker's
     /// `--dump-root` (the worker writes `DIR/dp{D}` there); a worker without one writes no
     /// dumps. Refusals are PERMISSION_DENIED and name the directory.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn dumps_go_under_the_dump_root_only() {
         let tmp = tempfile::tempdir().unwrap();
-        let (svc, src) = loaded_worker(tmp.path()).await;
-        let (dumps, elsewhere) = (tmp.path().join("dumps"), tmp.path().join("elsewhere"));
-        std::fs::create_dir_all(dumps.join("run")).unwrap();
-        std::fs::create_dir(&elsewhere).unwrap();
+        let (without, src) = loaded_worker(tmp.path()).await;
+        let (svc, dumps, elsewhere) = with_dump_root(tmp.path());
         std::os::unix::fs::symlink(&elsewhere, dumps.join("link")).unwrap();
         let assign = |dir: &std::path::Path| {
             Request::new(pb::AssignRequest {
@@ -459,14 +469,7 @@ mod tests {
             assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
             assert!(e.message().starts_with("assign: dump_dir `") && e.message().contains(why), "{}", e.message());
         };
-        refused(svc.assign(assign(&dumps.join("run"))).await.unwrap_err(), "started without --dump-root");
-        let rank = Rank::new(
-            AllowedRoots::new(&[tmp.path().to_path_buf()]).unwrap(),
-            AnyBackend::Cpu(orchestrator_kernels::CpuBackend),
-            "h".into(),
-        )
-        .with_dump_root(Some(crate::dump::DumpRoot::open(&dumps).unwrap()));
-        let svc = WorkerService::serving(Arc::new(Notify::new()), rank);
+        refused(without.assign(assign(&dumps.join("run"))).await.unwrap_err(), "started without --dump-root");
         refused(svc.assign(assign(&elsewhere)).await.unwrap_err(), "outside --dump-root");
         refused(svc.assign(assign(&dumps.join("link"))).await.unwrap_err(), "outside --dump-root");
         refused(svc.assign(assign(&dumps.join("run/../../elsewhere"))).await.unwrap_err(), "outside --dump-root");
@@ -486,16 +489,7 @@ mod tests {
         use tokio_stream::StreamExt;
         let tmp = tempfile::tempdir().unwrap();
         let (_, src) = loaded_worker(tmp.path()).await;
-        let (dumps, elsewhere) = (tmp.path().join("dumps"), tmp.path().join("elsewhere"));
-        std::fs::create_dir_all(dumps.join("run")).unwrap();
-        std::fs::create_dir(&elsewhere).unwrap();
-        let rank = Rank::new(
-            AllowedRoots::new(&[tmp.path().to_path_buf()]).unwrap(),
-            AnyBackend::Cpu(orchestrator_kernels::CpuBackend),
-            "h".into(),
-        )
-        .with_dump_root(Some(crate::dump::DumpRoot::open(&dumps).unwrap()));
-        let svc = WorkerService::serving(Arc::new(Notify::new()), rank);
+        let (svc, dumps, elsewhere) = with_dump_root(tmp.path());
         let assign = pb::AssignRequest {
             tp_size: 1,
             dp_size: 1,
