@@ -394,12 +394,11 @@ impl Settling {
         })
     }
 
-    /// Replica `dp` confirmed its commit to `version`: whether every replica now has.
-    pub fn confirm(&mut self, dp: u32, version: &str) -> bool {
+    /// Replica `dp` confirmed its commit to `version`.
+    pub fn confirm(&mut self, dp: u32, version: &str) {
         if version == self.version {
             self.unconfirmed.remove(&dp);
         }
-        self.unconfirmed.is_empty()
     }
 }
 
@@ -695,6 +694,17 @@ impl Replayed {
         }
     }
 
+    /// An update left settling whose every commit is now confirmed: its target is what every
+    /// replica serves.
+    fn settle(&mut self) {
+        if self.settling.as_ref().is_some_and(|st| st.unconfirmed.is_empty())
+            && let Some(done) = self.settling.take()
+        {
+            self.current = done.to;
+            self.current_version = done.version;
+        }
+    }
+
     /// Takes one event after the launch record, as replay reads it and as the writer keeps it
     /// (the one place each rule is written: the writer refuses, unwritten, what this refuses).
     fn apply(&mut self, event: Event) -> Result<(), Refusal> {
@@ -733,13 +743,8 @@ impl Replayed {
                         s.current_version = p.new_version;
                     } else {
                         s.settling = Settling::after(p.to, p.new_version, &p.steps);
-                        // Every commit it decided was confirmed before it ended.
-                        if s.settling.as_ref().is_some_and(|st| st.unconfirmed.is_empty())
-                            && let Some(done) = s.settling.take()
-                        {
-                            s.current = done.to;
-                            s.current_version = done.version;
-                        }
+                        // Every commit it decided may have been confirmed before it ended.
+                        s.settle();
                     }
                 }
                 _ => return Err(Refusal::Other(format!("update {update} ends without having begun"))),
@@ -760,13 +765,10 @@ impl Replayed {
                 }
                 // The last confirmation of an update that ended only short of them: its
                 // target is what every replica serves.
-                if let Some(settling) = s.settling.as_mut()
-                    && settling.confirm(dp, &version)
-                    && let Some(done) = s.settling.take()
-                {
-                    s.current = done.to;
-                    s.current_version = done.version;
+                if let Some(settling) = s.settling.as_mut() {
+                    settling.confirm(dp, &version);
                 }
+                s.settle();
             }
             Event::Recovered { .. } => s.shut_down = false,
             Event::Shutdown => s.shut_down = true,
