@@ -43,11 +43,6 @@ impl DumpRoot {
         Ok(Arc::new(Self { dir, path }))
     }
 
-    /// Its canonical path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// The existing directory `dir`, which must resolve (symlinks and all) beneath this root, and
     /// within it `sub`: where a rank of an assignment writes. The error says why not.
     pub fn beneath(self: &Arc<Self>, dir: &Path, sub: &str) -> Result<DumpDir, String> {
