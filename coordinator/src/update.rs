@@ -387,6 +387,10 @@ pub enum UpdateFailureKind {
     /// A decided commit that not every rank confirmed (the replica stays out of rotation
     /// until it is).
     CommitUnconfirmed,
+    /// A replica every rank of which swapped failed its probe after the swap (another version
+    /// or `y` than verified staged, or no answer): it stays out of rotation on the new version,
+    /// and the update stops there.
+    ProbeAfterSwap,
     /// Every live replica took the version; replicas with a dead rank were skipped.
     RanksDead,
 }
@@ -723,7 +727,7 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
                 f.why = format!("replica dp{failed} failed: {}", f.why);
                 break 'batches Some((failed, f));
             }
-            let stuck = roll.commit_decided(group, &decided, &staged, &mut steps, &mut pending_commits, &swap_probes).await;
+            let (stuck, probe_failed) = roll.commit_decided(group, &decided, &staged, &mut steps, &mut pending_commits, &swap_probes).await;
             if let Some((failed, mut f)) = failure {
                 f.why = format!("replica dp{failed} failed: {}; replicas {decided:?} committed before it", f.why);
                 break 'batches Some((failed, f));
@@ -731,6 +735,12 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
             if !stuck.is_empty() {
                 let why = format!("replicas {stuck:?}: commit decided, not confirmed by every rank");
                 break 'batches Some((stuck[0], UpdateFailure::of(UpdateFailureKind::CommitUnconfirmed, stuck, why)));
+            }
+            // What serves after a swap is not what was verified staged (or cannot be probed):
+            // no further replica swaps to a version that fails there.
+            if !probe_failed.is_empty() {
+                let why = format!("replicas {probe_failed:?} swapped to {} and failed their probe after the swap", roll.new_version);
+                break 'batches Some((probe_failed[0], UpdateFailure::of(UpdateFailureKind::ProbeAfterSwap, probe_failed, why)));
             }
         };
         // Replicas still waiting for a proof learn that none will come.
@@ -940,7 +950,8 @@ impl Roll<'_> {
 
     /// Drives every rank of every decided replica to the new version, then probes each swapped
     /// replica back into rotation. Returns the replicas whose commit is stuck (decided, not
-    /// confirmed by every rank: they stay out with the commit pending).
+    /// confirmed by every rank: they stay out with the commit pending), and those that swapped
+    /// and then failed their probe (out of rotation on the new version).
     async fn commit_decided(
         &self,
         group: &[u32],
@@ -949,7 +960,7 @@ impl Roll<'_> {
         steps: &mut Vec<String>,
         pending_commits: &mut BTreeMap<u32, String>,
         swap_probes: &std::sync::Mutex<BTreeMap<u32, SwapProbe>>,
-    ) -> Vec<u32> {
+    ) -> (Vec<u32>, Vec<u32>) {
         let (cluster, rotation, new_version) = (self.cluster, self.rotation, &self.new_version);
         // Out of rotation for the swap alone (when another replica can serve), once the routed
         // probes it was serving are answered, so that no routed probe spans the swap. A lone
@@ -968,7 +979,7 @@ impl Roll<'_> {
         let statuses =
             futures_util::future::join_all(decided.iter().map(|&dp| drive_commit(cluster, dp, new_version, self.commit_timeout))).await;
         let commit_s = commit_started.elapsed().as_secs_f64();
-        let mut stuck = Vec::new();
+        let (mut stuck, mut probe_failed) = (Vec::new(), Vec::new());
         for (&dp, status) in decided.iter().zip(statuses) {
             let r = &staged[group.iter().position(|g| *g == dp).unwrap_or(0)];
             let detail = r.as_ref().map(|s| s.detail.as_str()).unwrap_or_default();
@@ -1003,6 +1014,7 @@ impl Roll<'_> {
                         }
                         Err(why) => {
                             rotation.pull(dp, &format!("its probe after the commit failed: {why}"));
+                            probe_failed.push(dp);
                             format!("; its probe after the commit failed, out of rotation: {why}")
                         }
                     };
@@ -1029,7 +1041,7 @@ impl Roll<'_> {
             }
             rotation.release(dp);
         }
-        stuck
+        (stuck, probe_failed)
     }
 
     /// An update that ended early (at replica `failed`) drops what the replicas it did not reach

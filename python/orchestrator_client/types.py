@@ -119,8 +119,8 @@ class UpdateFailure:
     `kind` is one of `pending_commit`, `invalid_checkpoint`, `changed_checkpoint`, `journal`,
     `internal` (refusals: `refused` is true, nothing was touched), `staged_rank_unreachable`,
     `staged_version`, `replica_digests`, `round_trip`, `probe_tolerance`, `replica_y`,
-    `unhealthy_at_decision`, `commit_unconfirmed`, `ranks_dead`; `rank` names the rank whose check failed ("dp0/tp1"),
-    `round_trip` a staged round trip's failures as (kind, tensor) pairs."""
+    `unhealthy_at_decision`, `commit_unconfirmed`, `probe_after_swap`, `ranks_dead`; `rank` names the rank whose
+    check failed ("dp0/tp1"), `round_trip` a staged round trip's failures as (kind, tensor) pairs."""
 
     kind: str
     refused: bool

@@ -334,6 +334,35 @@ fn an_update_short_only_of_a_confirmation_settles_on_its_target_once_confirmed()
     assert!(report["source"].as_str().unwrap().contains(b.as_str()), "{report:#}");
 }
 
+/// A replica whose ranks all swapped but whose probe after the swap fails (dp0/tp0 writes
+/// `wq_b` back in checkpoint order at its commit, so that what serves is not what was verified
+/// staged): the update stops there and says so by kind (before, it pulled the replica, went on
+/// to the next and reported success). dp0 stays out on B, one version in its group; dp1, never
+/// swapped, serves A; the journal ends the update not applied.
+#[test]
+fn a_replica_failing_its_probe_after_the_swap_stops_the_update() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let (cluster, version_a, b) = start_with(tmp.path(), &state, &["--inject-fault", "0:commit-skip-permute"]);
+    let o = cluster.cmd("update", &["--checkpoint", &b, "--json"]);
+    let out: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(&o), stderr(&o)));
+    assert!(!o.status.success(), "{out:#}");
+    let version_b = out["update"]["new_version"].as_str().unwrap().to_string();
+    assert_eq!(out["update"]["ok"], false, "{out:#}");
+    assert_eq!(out["update"]["failure"]["kind"], "probe_after_swap", "{out:#}");
+    assert_eq!(out["update"]["failure"]["replicas"], serde_json::json!([0]), "{out:#}");
+    assert!(steps_of(&out, 0).contains("probe after the commit failed"), "{out:#}");
+    assert!(steps_of(&out, 1).contains("not updated"), "{out:#}");
+    let report = wait_for_report(&cluster, Duration::from_secs(10), |r| serving(r, 1));
+    assert!(!serving(&report, 0), "{report:#}");
+    assert_no_mixed_group(&report);
+    let versions = rank_versions(&report);
+    assert!(versions.iter().all(|(dp, _, v)| v == if *dp == 0 { &version_b } else { &version_a }), "{report:#}");
+    let events = journal(&state);
+    assert!(has_step(&events, 0, "committed") && !has_step(&events, 1, "committed"), "{events:#?}");
+    assert!(events.iter().any(|e| e["event"] == "update_end" && e["ok"] == false), "{events:#?}");
+}
+
 /// Waits until dp0, out with its commit to `version_b` pending, serves again: both its ranks on
 /// `version_b`, the confirmation journaled, no group mixed; dp1, which the stopped update never
 /// reached, still on `version_a`.

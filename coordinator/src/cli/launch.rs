@@ -53,7 +53,7 @@ pub struct PlanArgs {
     verify: Option<Verify>,
     /// Debugging: make worker RANK (0..tp*dp, dp-major) reproduce a bug: skip-permute,
     /// double-permute, stale-reload, crash-during-load, crash-during-stage, slow-stage, slow-commit,
-    /// hung-commit, stage-skip-permute.
+    /// hung-commit, stage-skip-permute, commit-skip-permute.
     #[arg(long, value_name = "RANK:KIND")]
     inject_fault: Option<String>,
     /// Debugging (needs --state-dir): the coordinator dies just before (crash-before) or just
@@ -161,9 +161,10 @@ fn parse_fault(s: &str, workers: u32) -> anyhow::Result<(u32, pb::Fault)> {
         "slow-commit" => Fault::SlowCommit,
         "hung-commit" => Fault::HungCommit,
         "stage-skip-permute" => Fault::StageSkipPermute,
+        "commit-skip-permute" => Fault::CommitSkipPermute,
         other => {
             anyhow::bail!(
-                "--inject-fault `{s}`: unknown kind `{other}` (skip-permute, double-permute, stale-reload, crash-during-load, crash-during-stage, slow-stage, slow-commit, hung-commit, stage-skip-permute)"
+                "--inject-fault `{s}`: unknown kind `{other}` (skip-permute, double-permute, stale-reload, crash-during-load, crash-during-stage, slow-stage, slow-commit, hung-commit, stage-skip-permute, commit-skip-permute)"
             )
         }
     };

@@ -244,8 +244,26 @@ impl Rank {
 
     /// Swaps the staged version in ([`State::commit`]).
     pub fn commit(&self, expected: &str) -> Result<pb::CommitResponse, RankError> {
-        let InPlace { version, generation } = lock(&self.state).commit(check_len("expected_version", expected, MAX_NAME_BYTES)?)?;
+        let expected = check_len("expected_version", expected, MAX_NAME_BYTES)?;
+        let mut st = lock(&self.state);
+        let before = st.weights.as_ref().map(|w| w.generation);
+        let InPlace { version, generation } = st.commit(expected)?;
+        if before != Some(generation) && st.plan.as_ref().is_some_and(|p| p.fault == pb::Fault::CommitSkipPermute) {
+            Self::skip_permute_after_swap(&self.backend, &mut st)?;
+        }
         Ok(pb::CommitResponse { checkpoint_version: version, generation, staged_version: String::new() })
+    }
+
+    /// The `commit-skip-permute` fault: the weights just swapped in get `wq_b` back in
+    /// checkpoint order, so that what serves is not what was verified staged (nothing kept of
+    /// the staged weights answers for them any more).
+    fn skip_permute_after_swap(backend: &AnyBackend, st: &mut State) -> Result<(), RankError> {
+        st.committed_probe = None;
+        st.committed_round_trip = None;
+        // Just swapped in under this lock: nothing else holds them yet.
+        let Some(w) = st.weights.as_mut().and_then(Arc::get_mut) else { return Ok(()) };
+        inject_on(backend, w, Fault::SkipQPermutation).map_err(RankError::FaultInjection)?;
+        w.refresh_kernel_digests(backend).map_err(|e| RankError::Digests(Box::new(e)))
     }
 
     /// Drops what is staged and, with `rollback`, swaps the kept version back ([`State::abort`]).
