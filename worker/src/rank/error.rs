@@ -4,7 +4,7 @@
 //! | kind | status |
 //! |---|---|
 //! | the request does not fit what the rank holds (nothing assigned, loaded, staged, kept or computed; another version or geometry) | `FAILED_PRECONDITION` |
-//! | the weights it needs are still read by a probe or report; the collective failed | `UNAVAILABLE` (ask again) |
+//! | the weights it needs are still read by a probe or report; its active weights are changing; the collective failed | `UNAVAILABLE` (ask again) |
 //! | a later stage, abort or load overtook it | `ABORTED` |
 //! | the request itself is wrong (its source, scale rule, shard, probe size, peer address) | `INVALID_ARGUMENT` (a source outside the allowed roots, a dump directory outside the dump root: `PERMISSION_DENIED`) |
 //! | loading, staging, probing, dumping or binding failed on this rank | `INTERNAL` |
@@ -48,6 +48,9 @@ pub enum RankError {
     NoListener,
     #[error("set serving: this rank holds version `{active}`, not the verified `{version}`")]
     NotVerified { active: String, version: String },
+    /// A change of the active weights is under way (an assignment, load, commit or rollback).
+    #[error("set serving: {changes} change(s) of the active weights under way")]
+    WeightsChanging { changes: usize },
 
     #[error("commit: the staged version is still being probed")]
     StagedInUse,
@@ -157,7 +160,7 @@ impl From<RankError> for Status {
             | NothingComputed
             | NoListener
             | NotVerified { .. } => Status::failed_precondition(message),
-            StagedInUse | KeptInUse | Ring { .. } | AllReduce(_) => Status::unavailable(message),
+            StagedInUse | KeptInUse | WeightsChanging { .. } | Ring { .. } | AllReduce(_) => Status::unavailable(message),
             Superseded | LoadSuperseded | Replaced => Status::aborted(message),
             Reopen(_) | DumpDir { .. } => Status::permission_denied(message),
             ScaleRule(_)

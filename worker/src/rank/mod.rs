@@ -13,6 +13,7 @@ pub(crate) mod probing;
 pub(crate) mod state;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -60,6 +61,21 @@ pub struct Rank {
     pub(crate) reference_cache: Arc<Mutex<crate::probe::ReferenceCache>>,
     /// The buffers every round trip of this rank (its loads' and stages') reuses.
     round_trip_scratch: Arc<RoundTripScratch<AnyBackend>>,
+    /// How many changes of the active weights are under way ([`WeightsChange`]).
+    changing: Arc<AtomicUsize>,
+}
+
+/// A change of the active weights under way (an assignment, load, reload, commit or rollback),
+/// from before the change begins until it has ended, landed or not: while any is, the rank
+/// refuses to be marked serving ([`Rank::check_serving`]), whatever version it still holds.
+/// Ends when dropped (the call that changes the weights holds it to its end).
+#[must_use = "the change ends when this is dropped"]
+pub struct WeightsChange(Arc<AtomicUsize>);
+
+impl Drop for WeightsChange {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// An assignment checked and its collective listener bound, not yet installed
@@ -85,7 +101,14 @@ impl Rank {
             advertise: "127.0.0.1".into(),
             reference_cache: Default::default(),
             round_trip_scratch: Default::default(),
+            changing: Default::default(),
         }
+    }
+
+    /// A change of the active weights begins ([`WeightsChange`]).
+    pub fn begin_change(&self) -> WeightsChange {
+        self.changing.fetch_add(1, Ordering::SeqCst);
+        WeightsChange(self.changing.clone())
     }
 
     /// Binds TP-ring listeners on `ip`, advertised as `host` (what peers on other machines reach).
@@ -192,14 +215,15 @@ impl Rank {
         }
     }
 
-    /// Loads the assigned version into the active weights.
-    pub fn load(&self) -> Result<Progress, RankError> {
-        self.start_load(None, false, StageOptions::default())
+    /// Loads the assigned version into the active weights; `change` ends with the load.
+    pub fn load(&self, change: WeightsChange) -> Result<Progress, RankError> {
+        self.start_load(None, Some(change), StageOptions::default())
     }
 
-    /// Loads `source` (of the same geometry and format) into the active weights' buffers.
-    pub fn reload(&self, source: LoadSource) -> Result<Progress, RankError> {
-        self.start_load(Some(source), false, StageOptions::default())
+    /// Loads `source` (of the same geometry and format) into the active weights' buffers;
+    /// `change` ends with the load.
+    pub fn reload(&self, source: LoadSource, change: WeightsChange) -> Result<Progress, RankError> {
+        self.start_load(Some(source), Some(change), StageOptions::default())
     }
 
     /// Stages the version a Stage request names beside the active weights (opening it hashes
@@ -223,7 +247,7 @@ impl Rank {
         }
         let epoch = self.begin_stage();
         let source = crate::background::run(|| LoadSource::from_pb(Some(s), &self.roots))?;
-        self.start_load(Some(source), true, StageOptions { reference, defer_round_trip: r.defer_round_trip, epoch: Some(epoch) })
+        self.start_load(Some(source), None, StageOptions { reference, defer_round_trip: r.defer_round_trip, epoch: Some(epoch) })
     }
 
     /// A stage's epoch, taken as its request arrives (once what can be refused without opening
@@ -239,7 +263,7 @@ impl Rank {
     /// The rest of [`Rank::stage`] once its source is open (tests: a stage given its epoch).
     #[cfg(test)]
     pub(crate) fn stage_opened(&self, source: LoadSource, options: StageOptions) -> Result<Progress, RankError> {
-        self.start_load(Some(source), true, options)
+        self.start_load(Some(source), None, options)
     }
 
     /// Swaps the staged version in ([`State::commit`]).
@@ -277,9 +301,14 @@ impl Rank {
         lock(&self.state).release();
     }
 
-    /// Whether the rank may be marked serving `version`: only when that is its active version.
+    /// Whether the rank may be marked serving `version`: only when that is its active version
+    /// and no change of its active weights is under way.
     pub fn check_serving(&self, version: &str) -> Result<(), RankError> {
         let version = check_len("version", version, MAX_NAME_BYTES)?;
+        let changes = self.changing.load(Ordering::SeqCst);
+        if changes > 0 {
+            return Err(RankError::WeightsChanging { changes });
+        }
         let (active, _) = self.versions();
         if active.is_empty() || active != version {
             return Err(RankError::NotVerified { active, version: version.to_string() });
@@ -288,9 +317,16 @@ impl Rank {
     }
 
     /// Runs a load or reload on a blocking thread of its own, streaming per-layer progress.
-    /// `shadow`: load `reload_from` into fresh shadow buffers beside the active weights
-    /// (a staged update) instead of into the active ones, doing what `stage` asks besides.
-    fn start_load(&self, reload_from: Option<LoadSource>, shadow: bool, stage: StageOptions) -> Result<Progress, RankError> {
+    /// Without a `change` of the active weights (a staged update), loads `reload_from` into fresh
+    /// shadow buffers beside the active weights instead of into the active ones, doing what
+    /// `stage` asks besides; with one, the change ends with the load.
+    fn start_load(
+        &self,
+        reload_from: Option<LoadSource>,
+        change: Option<WeightsChange>,
+        stage: StageOptions,
+    ) -> Result<Progress, RankError> {
+        let shadow = change.is_none();
         let ((source, tp, rank, dp_rank, rule, fault, total, dump_dir), epoch, spare) = {
             let mut st = lock(&self.state);
             if shadow && stage.epoch.is_some_and(|e| e != st.stage_epoch) {
@@ -481,6 +517,9 @@ impl Rank {
                         }
                     }
                     drop(st);
+                    // The weights are in place (before the answer says so, which a SetServing
+                    // may follow at once).
+                    drop(change);
                     // The dump of the weights now in place (a failure does not undo them; a
                     // load that did not land dumps nothing).
                     if let (Some(w), Some(dir)) = (dump_from, &dump_dir)
@@ -498,6 +537,7 @@ impl Rank {
                     }));
                 }
                 Err(status) => {
+                    drop(change);
                     let _ = tx.blocking_send(Err(status));
                 }
             }

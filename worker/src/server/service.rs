@@ -17,7 +17,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 use crate::device::AnyBackend;
-use crate::rank::{Progress, Rank, RankError};
+use crate::rank::{Progress, Rank, RankError, WeightsChange};
 use orchestrator_model::AllowedRoots;
 
 /// The worker service.
@@ -28,6 +28,10 @@ pub struct WorkerService {
     /// grpc.health.v1 readiness: SERVING only while the coordinator says the replica is in
     /// rotation on this rank's active version (none in in-process tests).
     health: Option<orchestrator_net::grpc::Health>,
+    /// Held while readiness is set: a SetServing's check of the rank and its SERVING are one
+    /// step against a change of the weights beginning (which sets NOT_SERVING), so that no
+    /// SERVING checked before a change lands after it.
+    readiness: Arc<tokio::sync::Mutex<()>>,
     /// The `hung-commit` fault has hung a Commit already (it hangs the first only).
     hung_once: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -50,7 +54,7 @@ impl WorkerService {
 
     /// The service of `rank`; `shutdown` is notified by the Shutdown RPC.
     pub fn serving(shutdown: Arc<Notify>, rank: Rank) -> Self {
-        Self { rank: Arc::new(rank), shutdown, health: None, hung_once: Default::default() }
+        Self { rank: Arc::new(rank), shutdown, health: None, readiness: Default::default(), hung_once: Default::default() }
     }
 
     /// Reports readiness through `health`.
@@ -63,11 +67,16 @@ impl WorkerService {
         self.rank.device()
     }
 
-    /// Not ready: the active weights are changing or are not verified (yet, or any more).
-    async fn not_ready(&self) {
+    /// A change of the active weights begins: not ready until the coordinator verifies them
+    /// and says so, which the rank refuses while the returned change is held (hold it until the
+    /// change has ended).
+    async fn begin_change(&self) -> WeightsChange {
+        let _readiness = self.readiness.lock().await;
+        let change = self.rank.begin_change();
         if let Some(h) = &self.health {
             h.set(false).await;
         }
+        change
     }
 
     /// Runs `f` on the rank on a blocking thread: the rank's calls block (loads, round trips, a
@@ -84,15 +93,20 @@ impl Worker for WorkerService {
     async fn assign(&self, request: Request<pb::AssignRequest>) -> Result<Response<pb::AssignResponse>, Status> {
         let r = request.into_inner();
         let assignment = self.blocking(move |rank| rank.prepare_assignment(&r)).await?;
-        self.not_ready().await;
-        self.blocking(move |rank| rank.assign(assignment)).await.map(Response::new)
+        let change = self.begin_change().await;
+        self.blocking(move |rank| {
+            let _change = change;
+            rank.assign(assignment)
+        })
+        .await
+        .map(Response::new)
     }
 
     type LoadStream = ProgressStream;
 
     async fn load(&self, _request: Request<pb::LoadRequest>) -> Result<Response<Self::LoadStream>, Status> {
-        self.not_ready().await;
-        self.blocking(Rank::load).await.map(|p| Response::new(stream(p)))
+        let change = self.begin_change().await;
+        self.blocking(move |rank| rank.load(change)).await.map(|p| Response::new(stream(p)))
     }
 
     type ReloadStream = ProgressStream;
@@ -100,8 +114,8 @@ impl Worker for WorkerService {
     async fn reload(&self, request: Request<pb::ReloadRequest>) -> Result<Response<Self::ReloadStream>, Status> {
         let named = request.into_inner().source;
         let source = self.blocking(move |rank| rank.reload_source(named.as_ref())).await?;
-        self.not_ready().await;
-        self.blocking(move |rank| rank.reload(source)).await.map(|p| Response::new(stream(p)))
+        let change = self.begin_change().await;
+        self.blocking(move |rank| rank.reload(source, change)).await.map(|p| Response::new(stream(p)))
     }
 
     type StageStream = ProgressStream;
@@ -122,16 +136,27 @@ impl Worker for WorkerService {
             _ => {}
         }
         // Mid-swap, and the new version is verified in rotation only after the swap.
-        self.not_ready().await;
-        self.blocking(move |rank| rank.commit(&expected)).await.map(Response::new)
+        let change = self.begin_change().await;
+        self.blocking(move |rank| {
+            let _change = change;
+            rank.commit(&expected)
+        })
+        .await
+        .map(Response::new)
     }
 
     async fn abort(&self, request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
         let pb::AbortRequest { rollback, expected_version } = request.into_inner();
-        if rollback {
-            self.not_ready().await;
-        }
-        self.blocking(move |rank| rank.abort(rollback, &expected_version)).await.map(Response::new)
+        let change = match rollback {
+            true => Some(self.begin_change().await),
+            false => None,
+        };
+        self.blocking(move |rank| {
+            let _change = change;
+            rank.abort(rollback, &expected_version)
+        })
+        .await
+        .map(Response::new)
     }
 
     async fn release(&self, _request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
@@ -155,14 +180,15 @@ impl Worker for WorkerService {
 
     async fn set_serving(&self, request: Request<pb::SetServingRequest>) -> Result<Response<pb::SetServingResponse>, Status> {
         let pb::SetServingRequest { serving, version } = request.into_inner();
-        if serving && let Err(e) = self.blocking(move |rank| rank.check_serving(&version)).await {
-            self.not_ready().await;
-            return Err(e);
-        }
+        let _readiness = self.readiness.lock().await;
+        let checked = match serving {
+            true => self.blocking(move |rank| rank.check_serving(&version)).await,
+            false => Ok(()),
+        };
         if let Some(h) = &self.health {
-            h.set(serving).await;
+            h.set(serving && checked.is_ok()).await;
         }
-        Ok(Response::new(pb::SetServingResponse {}))
+        checked.map(|()| Response::new(pb::SetServingResponse {}))
     }
 
     async fn shutdown(&self, _request: Request<pb::ShutdownRequest>) -> Result<Response<pb::ShutdownResponse>, Status> {
@@ -218,6 +244,65 @@ mod tests {
         svc.assign(Request::new(assign)).await.unwrap();
         drain(svc.load(Request::new(pb::LoadRequest {})).await).await;
         (svc, src)
+    }
+
+    /// `svc` reporting its readiness, and that readiness.
+    async fn with_health(svc: WorkerService) -> (WorkerService, orchestrator_net::grpc::Health) {
+        type Server = orchestrator_proto::v1::worker_server::WorkerServer<WorkerService>;
+        let (_, health) = orchestrator_net::grpc::standard_router::<Server>(None).await.unwrap();
+        (svc.with_health(health.clone()), health)
+    }
+
+    async fn set_serving(svc: &WorkerService, serving: bool, version: &str) -> Result<(), Status> {
+        svc.set_serving(Request::new(pb::SetServingRequest { serving, version: version.into() })).await.map(drop)
+    }
+
+    /// A rank refuses to be marked serving while a change of its active weights is under way,
+    /// even on the version it still holds (before, a SetServing checked just before a commit's
+    /// swap marked the rank SERVING on the weights swapped in), and is marked so once it ended.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serving_is_refused_while_the_active_weights_change() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, health) = with_health(loaded_worker(tmp.path()).await.0).await;
+        let version = svc.rank.versions().0;
+        set_serving(&svc, true, &version).await.unwrap();
+        assert!(health.is_serving());
+        let change = svc.rank.begin_change();
+        let refused = set_serving(&svc, true, &version).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused}");
+        assert!(!health.is_serving(), "a refused SetServing leaves the rank not ready");
+        drop(change);
+        set_serving(&svc, true, &version).await.unwrap();
+        assert!(health.is_serving());
+    }
+
+    /// A change of the weights waits for a SetServing under way (it holds the readiness gate
+    /// from its check to its SERVING), then marks the rank not ready: no SERVING checked before
+    /// a swap lands after it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_commit_waits_for_a_set_serving_under_way_and_leaves_the_rank_not_ready() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (svc, src) = loaded_worker(tmp.path()).await;
+        let (svc, health) = with_health(svc).await;
+        let version_a = svc.rank.versions().0;
+        stage(&svc, src("B")).await;
+        set_serving(&svc, true, &version_a).await.unwrap();
+        // As a SetServing between its check and its SERVING.
+        let gate = svc.readiness.clone().lock_owned().await;
+        let commit = tokio::spawn({
+            let svc = svc.clone();
+            async move { svc.commit(Request::new(pb::CommitRequest { expected_version: String::new() })).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        assert!(!commit.is_finished(), "the commit did not wait for the SetServing");
+        assert_eq!(svc.rank.versions().0, version_a, "swapped while a SetServing was under way");
+        assert!(health.is_serving());
+        drop(gate);
+        let committed = commit.await.unwrap().unwrap().into_inner().checkpoint_version;
+        assert_ne!(committed, version_a);
+        assert!(!health.is_serving(), "serving the swapped weights before anyone verified them");
+        set_serving(&svc, true, &committed).await.unwrap();
+        assert!(health.is_serving());
     }
 
     async fn stage(svc: &WorkerService, source: pb::LoadSource) {
