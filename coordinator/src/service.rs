@@ -86,12 +86,15 @@ impl Coordinator for CoordinatorService {
             )));
         }
         let session = self.session()?;
-        // The update runs on a task of its own: a client that goes away (Ctrl-C, a lost
-        // connection, its deadline) cancels only its wait for the answer, never the protocol
-        // halfway (a replica left owned, a decision not driven, an update without its end).
+        // One update at a time. A client that goes away (Ctrl-C, a lost connection, its
+        // deadline) while its update waits for its turn cancels it: it never starts.
+        let turn = session.update_lock.clone().lock_owned().await;
+        // Once started, the update runs on a task of its own: a client that goes away cancels
+        // only its wait for the answer, never the protocol halfway (a replica left owned, a
+        // decision not driven, an update without its end).
         let dir = std::path::PathBuf::from(&r.checkpoint_dir);
         let (max_unavailable, max_staging) = (r.max_unavailable.max(1), r.max_staging);
-        tokio::spawn(async move { run_update(&session, &dir, max_unavailable, max_staging).await })
+        tokio::spawn(async move { run_update(&session, turn, &dir, max_unavailable, max_staging).await })
             .await
             .map_err(|e| Status::internal(format!("update task: {e}")))?
             .map(Response::new)
@@ -127,14 +130,15 @@ impl Coordinator for CoordinatorService {
     }
 }
 
-/// One rolling update to `dir` and the consistency report after it.
+/// One rolling update to `dir` and the consistency report after it, in its `_turn` (held to
+/// its end: one update at a time).
 async fn run_update(
     session: &Session,
+    _turn: tokio::sync::OwnedMutexGuard<()>,
     dir: &std::path::Path,
     max_unavailable: u32,
     max_staging: u32,
 ) -> Result<pb::UpdateResponse, Status> {
-    let _one_update_at_a_time = session.update_lock.lock().await;
     let (update, from) = {
         let mut st = session.state();
         st.last_update += 1;

@@ -81,7 +81,7 @@ pub struct Session {
     /// Set while a rolling update runs (replicas may then hold different versions).
     pub updating: Arc<AtomicBool>,
     /// Updates run one at a time.
-    pub update_lock: tokio::sync::Mutex<()>,
+    pub update_lock: Arc<tokio::sync::Mutex<()>>,
     pub state: Mutex<SessionState>,
 }
 

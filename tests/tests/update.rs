@@ -170,6 +170,37 @@ fn a_checkpoint_hashed_before_is_not_hashed_again_unless_its_files_changed() {
 /// A worker SIGKILLed in the middle of staging: its group keeps version A (the other rank
 /// aborts its staged copy), the update reports the failure by rank, and the other replica keeps
 /// serving (on B).
+/// An update whose client goes away while the update waits for its turn (another one runs)
+/// never starts: only the running update is journaled, and every rank ends on its version
+/// (before, the waiting update ran once the first ended, for a client long gone).
+#[test]
+fn an_update_whose_client_left_while_it_waited_for_its_turn_never_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b, c, state) = (tmp.path().join("A"), tmp.path().join("B"), tmp.path().join("C"), tmp.path().join("state"));
+    // dp0/tp1 stages slowly (a second per layer: 3 s), which keeps the first update running.
+    for (dir, seed) in [(&a, "1"), (&b, "2"), (&c, "3")] {
+        orchestrator_e2e::synth_tiny_layers(dir, seed, 3);
+    }
+    let cluster =
+        Served::on_checkpoint("2", "2", &a, tmp.path(), &["--state-dir", state.to_str().unwrap(), "--inject-fault", "1:slow-stage"]);
+    let first = cluster.update_in_background(&["--checkpoint", b.to_str().unwrap(), "--json"]);
+    wait_for_journal(&state, Duration::from_secs(60), |e| has_step(e, 0, "staging"));
+    let mut second = cluster.update_in_background(&["--checkpoint", c.to_str().unwrap(), "--json"]);
+    // Its request reaches the coordinator and waits there; then its client is gone.
+    std::thread::sleep(Duration::from_millis(700));
+    second.kill().unwrap();
+    second.wait().unwrap();
+    let o = first.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+    let version_b = serde_json::from_slice::<Value>(&o.stdout).unwrap()["update"]["new_version"].as_str().unwrap().to_string();
+    // Time for a waiting update to begin, had it been left waiting.
+    std::thread::sleep(Duration::from_secs(2));
+    let events = orchestrator_e2e::journal(&state);
+    let begins: Vec<&Value> = events.iter().filter(|e| e["event"] == "update_begin").collect();
+    assert_eq!(begins.len(), 1, "{events:#?}");
+    assert!(versions(&cluster.report()).iter().all(|v| *v == version_b));
+}
+
 #[test]
 fn a_worker_killed_mid_stage_leaves_its_group_on_the_old_version() {
     let tmp = tempfile::tempdir().unwrap();
