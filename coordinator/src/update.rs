@@ -204,6 +204,21 @@ pub enum ReinstateError {
     NotFree { version: String },
 }
 
+impl ReinstateError {
+    /// Whether every answer that came shows weights other than those verified: another version
+    /// or `y` than verified, a rank out of tolerance, ranks that disagree. A rank that did not
+    /// answer (dead, stalled, a ring that failed) shows nothing about the weights.
+    pub fn shows_other_weights(&self) -> bool {
+        match self {
+            Self::NotAsVerified { .. } => true,
+            Self::Probe(problems) => {
+                problems.0.iter().any(|p| matches!(p, ProbeProblem::OutOfTolerance | ProbeProblem::Versions(_) | ProbeProblem::YDisagrees))
+            }
+            Self::NotFree { .. } => false,
+        }
+    }
+}
+
 /// [`try_reinstate`], with the probe's answers by worker when it passed.
 async fn reinstate(
     cluster: &Cluster,
@@ -387,9 +402,10 @@ pub enum UpdateFailureKind {
     /// A decided commit that not every rank confirmed (the replica stays out of rotation
     /// until it is).
     CommitUnconfirmed,
-    /// A replica every rank of which swapped failed its probe after the swap (another version
-    /// or `y` than verified staged, or no answer): it stays out of rotation on the new version,
-    /// and the update stops there.
+    /// A replica every rank of which swapped failed its probe after the swap on what its ranks
+    /// answered (another version or `y` than verified staged, out of tolerance, ranks that
+    /// disagree): it stays out of rotation on the new version, and the update stops there. (A
+    /// rank that does not answer that probe only takes its replica out; the update goes on.)
     ProbeAfterSwap,
     /// Every live replica took the version; replicas with a dead rank were skipped.
     RanksDead,
@@ -736,10 +752,13 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
                 let why = format!("replicas {stuck:?}: commit decided, not confirmed by every rank");
                 break 'batches Some((stuck[0], UpdateFailure::of(UpdateFailureKind::CommitUnconfirmed, stuck, why)));
             }
-            // What serves after a swap is not what was verified staged (or cannot be probed):
-            // no further replica swaps to a version that fails there.
+            // What serves after a swap is not what was verified staged: no further replica swaps
+            // to a version that fails there.
             if !probe_failed.is_empty() {
-                let why = format!("replicas {probe_failed:?} swapped to {} and failed their probe after the swap", roll.new_version);
+                let why = format!(
+                    "replicas {probe_failed:?} swapped to {} and their probe after the swap showed other weights than verified",
+                    roll.new_version
+                );
                 break 'batches Some((probe_failed[0], UpdateFailure::of(UpdateFailureKind::ProbeAfterSwap, probe_failed, why)));
             }
         };
@@ -951,7 +970,8 @@ impl Roll<'_> {
     /// Drives every rank of every decided replica to the new version, then probes each swapped
     /// replica back into rotation. Returns the replicas whose commit is stuck (decided, not
     /// confirmed by every rank: they stay out with the commit pending), and those that swapped
-    /// and then failed their probe (out of rotation on the new version).
+    /// and whose probe then showed other weights than verified (out of rotation on the new
+    /// version; one whose probe a rank did not answer is out too, but not returned).
     async fn commit_decided(
         &self,
         group: &[u32],
@@ -1014,7 +1034,9 @@ impl Roll<'_> {
                         }
                         Err(why) => {
                             rotation.pull(dp, &format!("its probe after the commit failed: {why}"));
-                            probe_failed.push(dp);
+                            if why.shows_other_weights() {
+                                probe_failed.push(dp);
+                            }
                             format!("; its probe after the commit failed, out of rotation: {why}")
                         }
                     };
@@ -1410,6 +1432,24 @@ mod tests {
             "rank dp0/tp1 (worker 1) is not connected; a rank's probe is out of tolerance; \
              the group's ranks hold different versions (worker 0: v, worker 2: w); the group's ranks disagree on y"
         );
+    }
+
+    /// A probe after a swap stops the update only on what the ranks answered about their
+    /// weights; a rank that did not answer (dead, stalled, a failed ring) shows nothing of them,
+    /// nor does a passing probe of a replica that is not free.
+    #[test]
+    fn only_answers_about_the_weights_show_other_weights_after_a_swap() {
+        let unreachable = ProbeProblem::Rank(RankError::NotConnected { rank: "rank dp0/tp1 (worker 1)".into() });
+        let probe = |problems: Vec<ProbeProblem>| ReinstateError::Probe(ProbeProblems(problems)).shows_other_weights();
+        assert!(!probe(vec![unreachable.clone()]));
+        assert!(!probe(vec![ProbeProblem::NoRanks]));
+        for content in [ProbeProblem::OutOfTolerance, ProbeProblem::Versions(vec![(0, "v".into())]), ProbeProblem::YDisagrees] {
+            assert!(probe(vec![content.clone()]), "{content}");
+            assert!(probe(vec![unreachable.clone(), content.clone()]), "{content} beside a rank that did not answer");
+        }
+        let other = ReinstateError::NotAsVerified { version: "b".into(), y: "y1".into(), verified: "b".into(), verified_y: "y0".into() };
+        assert!(other.shows_other_weights());
+        assert!(!ReinstateError::NotFree { version: "b".into() }.shows_other_weights());
     }
 
     /// A new checkpoint is refused by kind: outside the roots, unreadable, another geometry;
