@@ -275,6 +275,34 @@ mod tests {
         }
     }
 
+    /// A stream fed in equal steps of every size around a stripe and a block (the pending block
+    /// filled by many small updates, or flushed by large ones) gives `twox-hash`'s value, at
+    /// every length around the block boundaries.
+    #[test]
+    fn a_stream_fed_in_steps_equals_twox_hash() {
+        if !available() {
+            return;
+        }
+        let data = bytes(3 * BLOCK + 2 * STRIPE, 11);
+        let steps = [1, 2, 7, 31, 63, 64, 65, 127, 128, 129, 240, 241, 1000, 1023, 1024, 1025, 2048];
+        let mut lens: Vec<usize> = vec![SHORT_MAX, SHORT_MAX + 1];
+        for k in 1..=3 {
+            for d in [0, 1, 2, 63, 64, 65] {
+                lens.extend([k * BLOCK + d, k * BLOCK - d]);
+            }
+        }
+        for n in lens.into_iter().filter(|&n| n <= data.len()) {
+            for step in steps {
+                // SAFETY: checked just above.
+                let mut s = unsafe { Stream::new() };
+                for piece in data[..n].chunks(step) {
+                    s.update(piece);
+                }
+                assert_eq!(s.finish(), XxHash3_64::oneshot(&data[..n]), "{n} bytes in steps of {step}");
+            }
+        }
+    }
+
     proptest::proptest! {
         /// A stream cut anywhere gives `twox-hash`'s value of the whole, long or short.
         #[test]
