@@ -272,6 +272,13 @@ pub fn digest_gathered_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm
             // (fetched the same way) and 3.4-3.7 ms copied out and not fetched.
             crate::simd::prefetch_row(src, row_bytes, i + ROWS_AHEAD);
             for runs in perm.as_slice().chunks(runs_per_piece) {
+                if run_bytes == 32 {
+                    // Hashed where they lie (two runs to a stripe of the hash) where the hasher
+                    // can: a TP 1 dsv41-flash layer's `wo_a` (32 MB from memory, one thread)
+                    // in 2.2-2.4 ms, against 2.6-2.8 ms gathering each row first (below).
+                    h.update_gathered_32(src_row, runs, &mut piece);
+                    continue;
+                }
                 let out = &mut piece[..runs.len() * run_bytes];
                 gather_row(src_row, out, run_bytes, runs);
                 h.update(out);
@@ -291,7 +298,10 @@ mod tests {
         let mut dst = Vec::new();
         // Rows of runs (wq_b rows, 512-byte runs; runs longer than a fetch step), short runs
         // (wo_a chunks), single bytes (scale columns).
-        for (row_bytes, run_bytes) in [(src.len(), 512), (src.len(), 3072), (1536, 32), (512, 1), (src.len(), 3)] {
+        // 32-byte runs in rows of whole hash blocks (1 KiB) are hashed where they lie.
+        for (row_bytes, run_bytes) in
+            [(src.len(), 512), (src.len(), 3072), (1536, 32), (1024, 32), (2048, 32), (src.len(), 32), (512, 1), (src.len(), 3)]
+        {
             let n = row_bytes / run_bytes;
             let perm = Permutation::from_map((0..n as u32).map(|i| (i * 5 + 3) % n as u32).collect())
                 .unwrap_or_else(|_| Permutation::from_map((0..n as u32).rev().collect()).unwrap());

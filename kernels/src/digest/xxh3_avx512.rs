@@ -26,6 +26,8 @@ use twox_hash::XxHash3_64;
 pub const SHORT_MAX: usize = 240;
 
 const STRIPE: usize = 64;
+/// Half a stripe: the runs [`Stream::update_gathered_halves`] gathers.
+const HALF: usize = STRIPE / 2;
 /// XXH3's default secret.
 #[rustfmt::skip]
 const SECRET: [u8; 192] = [
@@ -70,11 +72,16 @@ pub fn available() -> bool {
 /// halves (`stripe ^ secret`) and the stripe's lane `i ^ 1`.
 #[inline(always)]
 unsafe fn stripe_term(stripe: &[u8; STRIPE], secret: &[u8]) -> __m512i {
+    // SAFETY: a 64-byte unaligned load of a 64-byte stripe; the caller has AVX-512 F.
+    unsafe { term_of(_mm512_loadu_si512(stripe.as_ptr().cast()), secret) }
+}
+
+/// [`stripe_term`] of a stripe in a register.
+#[inline(always)]
+unsafe fn term_of(data: __m512i, secret: &[u8]) -> __m512i {
     debug_assert!(secret.len() >= STRIPE);
-    // SAFETY: 64-byte unaligned loads of a 64-byte stripe and of at least 64 secret bytes; the
-    // caller has AVX-512 F.
+    // SAFETY: a 64-byte unaligned load of at least 64 secret bytes; the caller has AVX-512 F.
     unsafe {
-        let data = _mm512_loadu_si512(stripe.as_ptr().cast());
         let key = _mm512_xor_si512(data, _mm512_loadu_si512(secret.as_ptr().cast()));
         let product = _mm512_mul_epu32(key, _mm512_srli_epi64::<32>(key));
         _mm512_add_epi64(product, _mm512_shuffle_epi32::<_MM_PERM_BADC>(data))
@@ -125,6 +132,43 @@ unsafe fn blocks(acc: &mut [u64; 8], blocks: &[u8]) {
                 s1 = _mm512_add_epi64(s1, stripe_term(b, &secret[8..]));
                 s2 = _mm512_add_epi64(s2, stripe_term(c, &secret[16..]));
                 s3 = _mm512_add_epi64(s3, stripe_term(d, &secret[24..]));
+            }
+            let all = _mm512_add_epi64(_mm512_add_epi64(s0, s1), _mm512_add_epi64(s2, s3));
+            v = scramble(_mm512_add_epi64(v, all));
+        }
+        _mm512_storeu_si512(acc.as_mut_ptr().cast(), v);
+    }
+}
+
+/// [`blocks`] of the bytes that gathering `runs` (32-byte runs, [`HALF`]) of `row` in order
+/// would give, read where they lie (`runs.len()` a multiple of the runs of a block).
+///
+/// # Safety
+/// AVX-512 F, and every run lies inside `row` (`HALF * (r + 1) <= row.len()`).
+#[target_feature(enable = "avx512f")]
+unsafe fn blocks_gathered(acc: &mut [u64; 8], row: &[u8], runs: &[u32]) {
+    const RUNS_PER_BLOCK: usize = BLOCK / HALF;
+    debug_assert!(runs.len().is_multiple_of(RUNS_PER_BLOCK));
+    debug_assert!(runs.iter().all(|&r| (r as usize + 1) * HALF <= row.len()));
+    let base = row.as_ptr();
+    // SAFETY: `acc` is 64 bytes; every run lies inside `row` (the caller's contract), so each
+    // 32-byte load reads inside it; AVX-512 F is this function's target feature.
+    unsafe {
+        let stripe = |a: u32, b: u32| {
+            let (lo, hi) = (base.add(a as usize * HALF), base.add(b as usize * HALF));
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(lo.cast())), _mm256_loadu_si256(hi.cast()))
+        };
+        let mut v = _mm512_loadu_si512(acc.as_ptr().cast());
+        for block in runs.as_chunks::<RUNS_PER_BLOCK>().0 {
+            // As in `blocks_into`: four sums of four stripes each.
+            let (mut s0, mut s1, mut s2, mut s3) =
+                (_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512());
+            for (q, r) in block.as_chunks::<8>().0.iter().enumerate() {
+                let secret = &SECRET[32 * q..];
+                s0 = _mm512_add_epi64(s0, term_of(stripe(r[0], r[1]), secret));
+                s1 = _mm512_add_epi64(s1, term_of(stripe(r[2], r[3]), &secret[8..]));
+                s2 = _mm512_add_epi64(s2, term_of(stripe(r[4], r[5]), &secret[16..]));
+                s3 = _mm512_add_epi64(s3, term_of(stripe(r[6], r[7]), &secret[24..]));
             }
             let all = _mm512_add_epi64(_mm512_add_epi64(s0, s1), _mm512_add_epi64(s2, s3));
             v = scramble(_mm512_add_epi64(v, all));
@@ -229,6 +273,41 @@ impl Stream {
         self.pending_len = rest.len();
     }
 
+    /// [`Stream::update`] with the bytes that gathering `runs` of `row` in order would give (run
+    /// `r` is `row[HALF * r..HALF * (r + 1)]`), read where they lie but for the last block, when
+    /// they are whole blocks and the stream is at a block's end (it is after whole blocks): the
+    /// `wo_a` rows of a round trip, 32-byte chunks read back in checkpoint order, without first
+    /// copying each chunk out. Returns false, having done nothing, where it cannot.
+    pub fn update_gathered_halves(&mut self, row: &[u8], runs: &[u32]) -> bool {
+        const RUNS_PER_BLOCK: usize = BLOCK / HALF;
+        let n_blocks = runs.len() / RUNS_PER_BLOCK;
+        if n_blocks == 0 || !runs.len().is_multiple_of(RUNS_PER_BLOCK) || !(self.pending_len == 0 || self.pending_len == BLOCK) {
+            return false;
+        }
+        if runs.iter().any(|&r| (r as usize + 1) * HALF > row.len()) {
+            return false;
+        }
+        self.total += runs.len() * HALF;
+        if self.pending_len == BLOCK {
+            // SAFETY: a `Stream` exists only where the CPU has AVX-512 F (`new`).
+            unsafe { blocks(&mut self.acc, &self.pending) };
+            self.tail.copy_from_slice(&self.pending[BLOCK - STRIPE..]);
+        }
+        let (body, last) = runs.split_at((n_blocks - 1) * RUNS_PER_BLOCK);
+        if !body.is_empty() {
+            // SAFETY: as above; every run lies inside `row` (checked above).
+            unsafe { blocks_gathered(&mut self.acc, row, body) };
+        }
+        // The last block stays pending, as `update` keeps it. (`tail` is not kept: it is read
+        // only while fewer than a stripe's bytes are pending, and a whole block is, until the
+        // next update flushes it and sets `tail` from it.)
+        for (d, &r) in self.pending.chunks_exact_mut(HALF).zip(last) {
+            d.copy_from_slice(&row[r as usize * HALF..(r as usize + 1) * HALF]);
+        }
+        self.pending_len = BLOCK;
+        true
+    }
+
     /// The digest of the bytes so far.
     pub fn finish(&self) -> u64 {
         if self.total <= SHORT_MAX {
@@ -304,6 +383,50 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// Rows whose 32-byte runs are hashed where they lie, between plain updates of any
+        /// length, give `twox-hash`'s value of the bytes gathered; a stream amid a block (after
+        /// a plain update that is not whole blocks) refuses, changed in nothing.
+        #[test]
+        fn gathered_halves_equal_twox_hash_of_the_gathered_bytes(
+            blocks in 1usize..4,
+            rows in 1usize..4,
+            before in 0usize..3000,
+            after in 0usize..300,
+            seed: u64,
+        ) {
+            if !available() {
+                return Ok(());
+            }
+            let runs_per_row = blocks * BLOCK / HALF;
+            let data = bytes(rows * runs_per_row * HALF + before + after, seed);
+            let (head, rest) = data.split_at(before);
+            let (body, tail) = rest.split_at(rows * runs_per_row * HALF);
+            // A permutation of each row's runs that moves every run.
+            let perm: Vec<u32> = (0..runs_per_row as u32).map(|i| (i * 7 + 3) % runs_per_row as u32).collect();
+            let mut gathered = head.to_vec();
+            // SAFETY: checked just above.
+            let mut s = unsafe { Stream::new() };
+            s.update(head);
+            let at_block_end = before == 0 || before.is_multiple_of(BLOCK);
+            for row in body.chunks_exact(runs_per_row * HALF) {
+                let mut out = Vec::new();
+                for &r in &perm {
+                    out.extend_from_slice(&row[r as usize * HALF..][..HALF]);
+                }
+                let before_update = (s.total, s.pending_len);
+                let took = s.update_gathered_halves(row, &perm);
+                if !took {
+                    proptest::prop_assert_eq!((s.total, s.pending_len), before_update, "a refusal changes nothing");
+                    s.update(&out);
+                }
+                proptest::prop_assert!(took || !at_block_end, "refused at a block's end ({before} bytes before)");
+                gathered.extend_from_slice(&out);
+            }
+            s.update(tail);
+            gathered.extend_from_slice(tail);
+            proptest::prop_assert_eq!(s.finish(), XxHash3_64::oneshot(&gathered));
+        }
+
         /// A stream cut anywhere gives `twox-hash`'s value of the whole, long or short.
         #[test]
         fn a_stream_equals_twox_hash_wherever_it_is_cut(len in 0usize..5 * BLOCK, cuts in proptest::collection::vec(0usize..5 * BLOCK, 0..8), seed: u64) {
