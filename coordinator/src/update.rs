@@ -744,12 +744,17 @@ async fn roll(cluster: &Cluster, rotation: &Rotation, running: &ModelConfig, pla
                 break 'batches Some((failed, f));
             }
             let (stuck, probe_failed) = roll.commit_decided(group, &decided, &staged, &mut steps, &mut pending_commits, &swap_probes).await;
+            // Where another failure names the batch, the steps and its words still name these.
+            let also = match probe_failed.is_empty() {
+                true => String::new(),
+                false => format!("; replicas {probe_failed:?} swapped and their probe after the swap showed other weights than verified"),
+            };
             if let Some((failed, mut f)) = failure {
-                f.why = format!("replica dp{failed} failed: {}; replicas {decided:?} committed before it", f.why);
+                f.why = format!("replica dp{failed} failed: {}; replicas {decided:?} committed before it{also}", f.why);
                 break 'batches Some((failed, f));
             }
             if !stuck.is_empty() {
-                let why = format!("replicas {stuck:?}: commit decided, not confirmed by every rank");
+                let why = format!("replicas {stuck:?}: commit decided, not confirmed by every rank{also}");
                 break 'batches Some((stuck[0], UpdateFailure::of(UpdateFailureKind::CommitUnconfirmed, stuck, why)));
             }
             // What serves after a swap is not what was verified staged: no further replica swaps
