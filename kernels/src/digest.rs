@@ -98,22 +98,15 @@ impl DigestStream {
         }
     }
     /// [`update`](Self::update) with the bytes that gathering `runs` of `row` in order would
-    /// give, run `r` being `row[32 * r..32 * (r + 1)]`: read where they lie where the AVX-512
-    /// stream can take them ([`xxh3_avx512::Stream::update_gathered_halves`]), else gathered
-    /// into `scratch` first. The same value either way. Every run must lie inside `row`.
-    pub fn update_gathered_32(&mut self, row: &[u8], runs: &[u32], scratch: &mut Vec<u8>) {
-        const RUN: usize = 32;
-        #[cfg(target_arch = "x86_64")]
-        if let Hasher::Avx512(s) = &mut self.0
-            && s.update_gathered_halves(row, runs)
-        {
-            return;
+    /// give, run `r` being `row[32 * r..32 * (r + 1)]`, read where they lie, where the AVX-512
+    /// stream can take them ([`xxh3_avx512::Stream::update_gathered_halves`]). Returns false,
+    /// having done nothing, where it cannot (the caller gathers them and updates).
+    pub fn try_update_gathered_32(&mut self, row: &[u8], runs: &[u32]) -> bool {
+        match &mut self.0 {
+            #[cfg(target_arch = "x86_64")]
+            Hasher::Avx512(s) => s.update_gathered_halves(row, runs),
+            Hasher::Twox(_) => false,
         }
-        scratch.clear();
-        for &r in runs {
-            scratch.extend_from_slice(&row[r as usize * RUN..(r as usize + 1) * RUN]);
-        }
-        self.update(scratch);
     }
     pub fn finish(&self) -> Digest {
         Digest(match &self.0 {

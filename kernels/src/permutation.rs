@@ -272,11 +272,10 @@ pub fn digest_gathered_runs(src: &[u8], row_bytes: usize, run_bytes: usize, perm
             // (fetched the same way) and 3.4-3.7 ms copied out and not fetched.
             crate::simd::prefetch_row(src, row_bytes, i + ROWS_AHEAD);
             for runs in perm.as_slice().chunks(runs_per_piece) {
-                if run_bytes == 32 {
-                    // Hashed where they lie (two runs to a stripe of the hash) where the hasher
-                    // can: a TP 1 dsv41-flash layer's `wo_a` (32 MB from memory, one thread)
-                    // in 2.2-2.4 ms, against 2.6-2.8 ms gathering each row first (below).
-                    h.update_gathered_32(src_row, runs, &mut piece);
+                // Hashed where they lie (two runs to a stripe of the hash) where the hasher
+                // can: a TP 1 dsv41-flash layer's `wo_a` (32 MB from memory, one thread) in
+                // 2.2-2.4 ms, against 2.6-2.8 ms gathering each row first (below).
+                if run_bytes == 32 && h.try_update_gathered_32(src_row, runs) {
                     continue;
                 }
                 let out = &mut piece[..runs.len() * run_bytes];
